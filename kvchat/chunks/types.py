@@ -1,0 +1,114 @@
+"""The records the chunk layer returns. Plain data: the CLI renders them, tests inspect them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    SYSTEM = "system"
+    CONTEXT = "context"
+    QUERY = "query"
+    OUTPUT = "output"
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+class ReuseMode(StrEnum):
+    EXACT = "exact"
+    REPOSITION = "reposition"
+    REPAIR = "repair"
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """One registered chunk as the user sees it."""
+
+    number: int  # 1-based, stable for the session
+    chunk_id: str  # short content hash
+    role: Role
+    text: str
+    num_tokens: int
+    num_blocks: int  # blocks holding this chunk's KV now (0: no KV kept)
+    num_refs: int  # references on those blocks
+    place: int | None  # 1-based position in the current context, None if not in it
+    pinned: bool
+    output_number: int | None = None  # set for retained outputs
+
+
+@dataclass(frozen=True)
+class ChunkReport:
+    """What one inference did with one chunk of its context."""
+
+    chunk_id: str
+    role: Role
+    num_tokens: int
+    num_reused: int  # KV used as is (exact prefix hit)
+    num_repositioned: int  # KV re-rotated to new positions
+    num_computed: int
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One streamed piece of an inference: the text it added and the running counts."""
+
+    text: str  # answer text delta (UTF-8 safe, think spans excluded)
+    thinking: str  # thinking text delta (inside <think> ... </think>)
+    token_id: int
+    num_generated: int
+
+
+@dataclass(frozen=True)
+class InferenceResult:
+    """The end of an inference: what was generated and what it cost."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS), "stop_string", "length", "cancelled"
+    output_number: int | None
+    chunk_id: str | None
+    mode: ReuseMode
+    prompt_tokens: int
+    reused_tokens: int
+    repositioned_tokens: int
+    computed_tokens: int
+    ttft_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    chunks: list[ChunkReport] = field(default_factory=list)
+    had_think: bool = False
+
+
+@dataclass(frozen=True)
+class FidelityReport:
+    """A chosen reuse mode compared with a full recompute of the same context."""
+
+    mode: ReuseMode
+    kl_divergence: float  # KL(full || mode) of the next-token distribution
+    top1_agree: bool
+    top5_overlap: int  # of 5
+    max_logit_diff: float
+    greedy_agree: int  # greedy tokens equal before the first difference
+    greedy_tokens: int  # N compared
+    reused_tokens: int
+    repositioned_tokens: int
+    computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    num_blocks: int
+    num_used: int  # referenced by a live sequence or chunk
+    num_pinned: int
+    num_cached: int  # unreferenced but holding reusable KV
+    num_free: int
+    block_size: int
+    bytes_total: int
+    bytes_per_block: int
+    hit_tokens: int
+    lookup_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
