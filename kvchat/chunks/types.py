@@ -112,3 +112,16 @@ class CacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class ChunkDetail:
+    """Everything `/show` tells about one chunk."""
+
+    info: ChunkInfo
+    token_ids: list[int]
+    positions: range | None  # token positions in the current context, None if not in it
+    kv_positions: range | None  # positions its kept KV was computed at, None if no KV kept
+    block_ids: list[int]  # blocks holding its kept KV
+    had_think: bool = False
+    source: str | None = None  # for outputs: the chunk ids of the context it came from
