@@ -1,0 +1,195 @@
+"""The engine: runs a transformers causal LM over sequences whose KV lives in the paged pool.
+
+It deals in token ids only. A sequence starts by reusing whatever exact KV the pool already holds for
+its leading tokens; `compute` runs the model over the rest, in pieces of at most `prefill_chunk`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from kvchat.engine.block_manager import ROOT_HASH, BlockManager, chain_hash
+from kvchat.engine.kv_pool import KVPool
+from kvchat.engine.paged_cache import ForwardCache, KVWorkspace
+from kvchat.engine.sequence import Sequence
+from kvchat.errors import CacheFullError
+
+
+def kv_shape(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a transformers decoder config."""
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return config.num_hidden_layers, num_kv_heads, head_dim
+
+
+class Engine:
+    """Paged KV cache + model forward for one sequence at a time."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        kv_memory_bytes: int = 512 << 20,
+        block_size: int = 16,
+        prefill_chunk: int = 512,
+        paged: bool = True,
+    ):
+        self.model = model
+        self.block_size, self.prefill_chunk = block_size, prefill_chunk
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_shape(model.config)
+        self.bytes_per_block = KVPool.bytes_per_block(
+            self.num_layers, block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+        num_blocks = kv_memory_bytes // self.bytes_per_block
+        if num_blocks < 1:
+            raise CacheFullError(
+                f"KV memory {kv_memory_bytes} bytes holds no block of {self.bytes_per_block} bytes"
+            )
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.pool = (
+            KVPool(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+            if paged
+            else None
+        )
+        self.workspace = KVWorkspace(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        self._cache = ForwardCache(self.workspace, self.pool)
+        self._seq_ids = itertools.count(1)
+
+    # -- sequence lifecycle ------------------------------------------------------------------------
+
+    def start(self, token_ids: list[int], reuse: bool = True) -> Sequence:
+        """A new sequence over `token_ids`, sharing the longest exact prefix already cached.
+
+        At least the last token is left to compute, so the caller always gets logits.
+        """
+        assert token_ids, "a sequence needs at least one token"
+        seq = Sequence(list(token_ids), self.block_size, seq_id=next(self._seq_ids))
+        if self.pool is None:
+            return seq
+        match = self.blocks.match_prefix(token_ids, max_tokens=len(token_ids) - 1) if reuse else None
+        shared = match.shared_block_ids if match else []
+        copy_from = match.copy_from if match and match.num_copy else None
+        for block_id in shared:
+            self.blocks.acquire(block_id)
+        if copy_from is not None:
+            self.blocks.acquire(copy_from)  # keep it from being evicted by the allocation below
+        try:
+            fresh = self.blocks.allocate(seq.num_blocks_needed - len(shared))
+        except CacheFullError:
+            self.blocks.release(shared + ([copy_from] if copy_from is not None else []))
+            raise
+        seq.block_table = shared + fresh
+        seq.num_computed = seq.num_recorded = len(shared) * self.block_size
+        if copy_from is not None:
+            assert match is not None
+            src = torch.arange(match.num_copy, device=self.device) + copy_from * self.block_size
+            self.pool.copy(src, self._slots(seq, seq.num_computed, seq.num_computed + match.num_copy))
+            self.blocks.release([copy_from])
+            seq.num_computed += match.num_copy
+        self._record(seq)
+        return seq
+
+    def extend(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Append tokens to a sequence (their KV is computed by the next `compute`)."""
+        seq.token_ids.extend(token_ids)
+        if self.pool is not None and seq.num_blocks_needed > len(seq.block_table):
+            seq.block_table += self.blocks.allocate(seq.num_blocks_needed - len(seq.block_table))
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks; their exact KV stays findable until evicted."""
+        if self.pool is not None:
+            self.blocks.release(seq.block_table)
+        seq.block_table = []
+        if self.workspace.owner and self.workspace.owner[0] == seq.seq_id:
+            self.workspace.clear()
+
+    # -- running the model -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def compute(self, seq: Sequence, all_logits: bool = False) -> torch.Tensor:
+        """Run the model over every token without KV. Returns the last token's logits (V,), or
+        with `all_logits` those of every computed token (q, V)."""
+        assert seq.num_computed < seq.num_tokens, "nothing to compute"
+        pieces = []
+        while seq.num_computed < seq.num_tokens:
+            end = min(seq.num_tokens, seq.num_computed + self.prefill_chunk)
+            logits = self._forward(seq, seq.num_computed, end, all_logits)
+            if all_logits:
+                pieces.append(logits)
+        return torch.cat(pieces) if all_logits else logits[-1]
+
+    def _forward(self, seq: Sequence, start: int, end: int, all_logits: bool) -> torch.Tensor:
+        self._load_workspace(seq, start)
+        input_ids = torch.tensor([seq.token_ids[start:end]], device=self.device)  # (1, q)
+        position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, q)
+        slots = self._slots(seq, start, end) if self.pool is not None else None
+        self._cache.bind(start, end - start, slots)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        seq.num_computed = end
+        self.workspace.owner = (seq.seq_id, seq.kv_version)
+        self._record(seq)
+        return out.logits[0]  # (q, V) or (1, V)
+
+    def _load_workspace(self, seq: Sequence, start: int) -> None:
+        ws = self.workspace
+        if ws.owner == (seq.seq_id, seq.kv_version) and ws.length >= start:
+            ws.length = start
+            return
+        if self.pool is None:
+            assert start == 0, "a contiguous engine cannot resume a sequence it does not hold"
+            ws.length = 0
+        else:
+            ws.load(*self.pool.gather(self._slots(seq, 0, start)))
+        ws.owner = (seq.seq_id, seq.kv_version)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        return torch.tensor(seq.slots(start, end), dtype=torch.long, device=self.device)
+
+    def _record(self, seq: Sequence) -> None:
+        """Declare the sequence's newly computed exact KV reusable, block by block."""
+        limit = min(seq.num_computed, seq.exact_limit)
+        if self.pool is None or limit <= seq.num_recorded:
+            return
+        bs = self.block_size
+        first = seq.num_recorded // bs
+        parent = self._prefix_hash(seq, first)
+        for index in range(first, (limit - 1) // bs + 1):
+            piece = seq.token_ids[index * bs : min((index + 1) * bs, limit)]
+            self.blocks.record(seq.block_table[index], parent, piece)
+            if len(piece) == bs:
+                parent = chain_hash(parent, piece)
+        seq.num_recorded = limit
+
+    def _prefix_hash(self, seq: Sequence, num_blocks: int) -> int:
+        parent = ROOT_HASH
+        for index in range(num_blocks):
+            parent = chain_hash(parent, seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+        return parent
+
+    # -- KV access for the chunk layer --------------------------------------------------------------
+
+    def read_kv(self, seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of positions start..end-1 of a sequence: (L, T, H, D) each."""
+        assert self.pool is not None and end <= seq.num_computed
+        return self.pool.gather(self._slots(seq, start, end))
+
+    def write_kv(self, seq: Sequence, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Place K/V (L, T, H, D) at positions start.. of a sequence. The KV is taken as approximate:
+        nothing from `start` on is declared reusable."""
+        assert self.pool is not None and start == seq.num_computed
+        end = start + keys.shape[1]
+        self.pool.scatter(self._slots(seq, start, end), keys, values)
+        seq.num_exact = min(seq.exact_limit, start)
+        seq.num_computed = end
+        seq.kv_version += 1

@@ -1,0 +1,60 @@
+"""The KV tensors: one pool of fixed-size blocks for every layer. The only owner of KV memory."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """Keys and values of every block, slot-major: slot = block_id * block_size + offset."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.block_size = block_size
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (L, S, H, D)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)  # (L, S, H, D)
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.keys.shape[1] // self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one layer's new K/V, given as (1, H, q, D) the way attention produces them."""
+        self.keys[layer].index_copy_(0, slots, keys[0].transpose(0, 1))  # (q, H, D)
+        self.values[layer].index_copy_(0, slots, values[0].transpose(0, 1))
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of every layer at these slots: (L, T, H, D) each."""
+        return self.keys.index_select(1, slots), self.values.index_select(1, slots)
+
+    def scatter(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store K/V of every layer, given as (L, T, H, D)."""
+        self.keys.index_copy_(1, slots, keys.to(self.keys.dtype))
+        self.values.index_copy_(1, slots, values.to(self.values.dtype))
+
+    def copy(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        keys, values = self.gather(src_slots)
+        self.scatter(dst_slots, keys, values)

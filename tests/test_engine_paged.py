@@ -1,0 +1,87 @@
+"""The paged engine computes exactly what a plain full forward computes."""
+
+import random
+
+import pytest
+import torch
+
+from kvchat.engine.engine import Engine
+from tests.tiny_models import KINDS, make_tiny_model
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request):
+    return make_tiny_model(request.param)
+
+
+def full_logits(model, token_ids):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([token_ids])).logits[0]  # (T, V)
+
+
+def random_ids(n, seed=0, vocab=512):
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64])
+def test_prefill_and_decode_equal_full_forward(model, block_size):
+    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=block_size, prefill_chunk=7)
+    ids = random_ids(40)
+    ref = full_logits(model, ids + [5, 6, 7])
+    seq = engine.start(ids)
+    got = engine.compute(seq, all_logits=True)
+    torch.testing.assert_close(got, ref[:40], atol=1e-4, rtol=0)
+    for i, token in enumerate([5, 6, 7]):
+        engine.extend(seq, [token])
+        last = engine.compute(seq)
+        assert (last - ref[40 + i]).abs().max() <= 1e-4
+    engine.free(seq)
+    engine.blocks.check_invariants()
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_shared_prefix_computes_only_the_tail(model):
+    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=4)
+    first = random_ids(30, seed=1)
+    seq = engine.start(first)
+    engine.compute(seq)
+    second = first[:22] + random_ids(9, seed=2)
+    seq2 = engine.start(second)
+    assert seq2.num_computed == 22  # 5 shared blocks + 2 tokens copied from a partly matching block
+    assert seq2.block_table[:5] == seq.block_table[:5]
+    last = engine.compute(seq2)
+    assert (last - full_logits(model, second)[-1]).abs().max() <= 1e-4
+
+
+def test_all_cached_prompt_still_yields_logits(model):
+    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=4)
+    ids = random_ids(16, seed=3)
+    seq = engine.start(ids)
+    engine.compute(seq)
+    engine.free(seq)
+    again = engine.start(ids)
+    assert again.num_computed == 15
+    last = engine.compute(again)
+    assert (last - full_logits(model, ids)[-1]).abs().max() <= 1e-4
+
+
+def test_workspace_switches_between_sequences(model):
+    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=8)
+    a, b = random_ids(20, seed=4), random_ids(25, seed=5)
+    seq_a, seq_b = engine.start(a), engine.start(b)
+    engine.compute(seq_a)
+    engine.compute(seq_b)
+    engine.extend(seq_a, [9])
+    assert (engine.compute(seq_a) - full_logits(model, a + [9])[-1]).abs().max() <= 1e-4
+    engine.extend(seq_b, [11])
+    assert (engine.compute(seq_b) - full_logits(model, b + [11])[-1]).abs().max() <= 1e-4
+
+
+def test_contiguous_engine_matches(model):
+    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=16, paged=False)
+    ids = random_ids(33, seed=6)
+    seq = engine.start(ids)
+    engine.compute(seq)
+    engine.extend(seq, [3])
+    assert (engine.compute(seq) - full_logits(model, ids + [3])[-1]).abs().max() <= 1e-4
