@@ -111,13 +111,14 @@ class Engine:
     # -- running the model -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def compute(self, seq: Sequence, all_logits: bool = False) -> torch.Tensor:
-        """Run the model over every token without KV. Returns the last token's logits (V,), or
-        with `all_logits` those of every computed token (q, V)."""
-        assert seq.num_computed < seq.num_tokens, "nothing to compute"
+    def compute(self, seq: Sequence, all_logits: bool = False, until: int | None = None) -> torch.Tensor:
+        """Run the model over the tokens without KV, up to `until` (default: all). Returns the last
+        computed token's logits (V,), or with `all_logits` those of every computed token (q, V)."""
+        until = seq.num_tokens if until is None else until
+        assert seq.num_computed < until <= seq.num_tokens, "nothing to compute"
         pieces = []
-        while seq.num_computed < seq.num_tokens:
-            end = min(seq.num_tokens, seq.num_computed + self.prefill_chunk)
+        while seq.num_computed < until:
+            end = min(until, seq.num_computed + self.prefill_chunk)
             logits = self._forward(seq, seq.num_computed, end, all_logits)
             if all_logits:
                 pieces.append(logits)
