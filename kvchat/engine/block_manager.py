@@ -32,6 +32,7 @@ class Block:
     parent_hash: int | None = None  # None: holds no reusable KV
     token_ids: list[int] = field(default_factory=list)  # tokens whose exact KV is in this block
     hash: int | None = None  # chained hash, for a full block with reusable KV
+    generation: int = 0  # bumped each time the block is handed out anew, invalidating old handles
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class BlockManager:
             block_id, _ = self._unreferenced.popitem(last=False)
             self._forget(block_id)
             self.blocks[block_id].ref_count = 1
+            self.blocks[block_id].generation += 1
             block_ids.append(block_id)
         return block_ids
 

@@ -185,12 +185,21 @@ class Engine:
         assert self.pool is not None and end <= seq.num_computed
         return self.pool.gather(self._slots(seq, start, end))
 
-    def write_kv(self, seq: Sequence, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Place K/V (L, T, H, D) at positions start.. of a sequence. The KV is taken as approximate:
-        nothing from `start` on is declared reusable."""
+    def gather(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V at pool slots: (L, T, H, D) each."""
+        assert self.pool is not None
+        return self.pool.gather(torch.tensor(slots, dtype=torch.long, device=self.device))
+
+    def write_kv(
+        self, seq: Sequence, start: int, keys: torch.Tensor, values: torch.Tensor, exact: bool = False
+    ) -> None:
+        """Place K/V (L, T, H, D) at positions start.. of a sequence. Unless `exact` (KV known to be
+        what a forward would compute, e.g. loaded from a file), nothing from `start` on is reusable."""
         assert self.pool is not None and start == seq.num_computed
         end = start + keys.shape[1]
         self.pool.scatter(self._slots(seq, start, end), keys, values)
-        seq.num_exact = min(seq.exact_limit, start)
+        if not exact:
+            seq.num_exact = min(seq.exact_limit, start)
         seq.num_computed = end
         seq.kv_version += 1
+        self._record(seq)

@@ -1,0 +1,138 @@
+"""One inference of the ContextManager: compose, generate, close the turn, retain the output."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from kvchat.chunks.compose import ComposedSequence, compose
+from kvchat.chunks.registry import Chunk
+from kvchat.chunks.spans import KVSpan
+from kvchat.chunks.types import InferenceResult, StepEvent
+from kvchat.engine.detokenizer import StreamDetokenizer, split_think
+from kvchat.engine.generate import GenerationStep, generate
+from kvchat.engine.rope import rotary_inv_freq
+from kvchat.engine.sampling import SamplingParams
+from kvchat.errors import CacheFullError
+
+if TYPE_CHECKING:
+    from kvchat.chunks.context import ContextManager
+
+
+def build(
+    cm: ContextManager, chunks: list[Chunk], reserve_tokens: int = 0, release_live: bool = True
+) -> ComposedSequence:
+    """The context's sequence with KV reused per the manager's mode, room checked for the answer."""
+    if release_live:
+        cm._release_live()  # its blocks stay cached, so the new sequence can still share them
+    gen_ids = cm.format.generation_prompt_ids()
+    num_tokens = sum(len(c.token_ids) for c in chunks) + len(gen_ids)
+    engine = cm.engine
+    capacity = engine.blocks.num_blocks * engine.block_size
+    if num_tokens + reserve_tokens > capacity:
+        raise CacheFullError(
+            f"this context ({num_tokens} tokens) plus {reserve_tokens} for the answer does not fit in "
+            f"the KV budget ({capacity} tokens); drop chunks or raise --kv-memory"
+        )
+    inv_freq = rotary_inv_freq(engine.model) if cm.mode.value != "exact" else None
+    try:
+        composed = compose(engine, chunks, gen_ids, cm.mode, cm.repair, inv_freq)
+    except CacheFullError as err:
+        raise CacheFullError(f"{err}. {_what_to_delete(cm)}") from None
+    missing = -(-(num_tokens + reserve_tokens) // engine.block_size) - len(composed.seq.block_table)
+    if missing > engine.blocks.num_free:
+        engine.free(composed.seq)
+        raise CacheFullError(
+            f"KV cache full: {missing} more blocks needed for the answer, {engine.blocks.num_free} free. "
+            + _what_to_delete(cm)
+        )
+    return composed
+
+
+def _what_to_delete(cm: ContextManager) -> str:
+    outputs = [c for c in cm.registry.outputs() if c.span is not None]
+    if not outputs:
+        return "Nothing is kept that could be deleted; raise --kv-memory or lower --max-tokens."
+    listed = ", ".join(f"/delete-output {c.output_number} ({len(c.span.block_ids)} blocks)" for c in outputs)
+    return f"Kept outputs that could be deleted: {listed}"
+
+
+def run(
+    cm: ContextManager, chunks: list[Chunk], params: SamplingParams, as_turn: bool
+) -> Iterator[StepEvent | InferenceResult]:
+    """Stream one inference. KeyboardInterrupt (raised inside, or thrown in at a yield) stops it
+    within a token; what was generated is kept and the InferenceResult still comes last."""
+    close_ids = cm.format.assistant_close_ids()
+    t0 = time.perf_counter()
+    composed = build(cm, chunks, reserve_tokens=params.max_tokens + len(close_ids))
+    plan_s = time.perf_counter() - t0
+    seq = composed.seq
+    prompt_len = seq.num_tokens
+    detok = StreamDetokenizer(cm.tokenizer, think_ids=cm.format.think_ids, skip_ids=cm.eos_token_ids)
+    last: GenerationStep | None = None
+    finish = "cancelled"
+    text: list[str] = []
+    steps = generate(cm.engine, seq, params, cm.eos_token_ids, detok)
+    try:
+        for step in steps:
+            last = step
+            text.append(step.text)
+            if step.finish_reason:
+                finish = step.finish_reason
+            yield StepEvent(step.text, step.thinking, step.token_id, step.stats.num_generated)
+    except KeyboardInterrupt:
+        steps.close()
+    except GeneratorExit:
+        steps.close()
+        _finish(cm, composed, chunks, prompt_len, "cancelled", close_ids, "".join(text), as_turn)
+        raise
+    result = _finish(cm, composed, chunks, prompt_len, finish, close_ids, "".join(text), as_turn)
+    stats = last.stats if last else None
+    yield InferenceResult(
+        text=result.text,
+        token_ids=seq.token_ids[prompt_len:],
+        finish_reason=finish,
+        output_number=result.output_number,
+        chunk_id=result.chunk_id,
+        mode=cm.mode,
+        prompt_tokens=prompt_len,
+        reused_tokens=composed.num_reused,
+        repositioned_tokens=composed.num_repositioned,
+        computed_tokens=prompt_len - composed.num_reused - composed.num_repositioned,
+        ttft_s=plan_s + (stats.ttft_s if stats else 0.0),
+        prefill_tok_s=stats.prefill_tok_s if stats else 0.0,
+        decode_tok_s=stats.decode_tok_s if stats else 0.0,
+        chunks=composed.reports(),
+        had_think=result.had_think,
+    )
+
+
+def _finish(cm, composed, chunks, prompt_len, finish, close_ids, text, as_turn) -> Chunk:
+    """Close the assistant turn, compute the KV still missing, and retain the output."""
+    engine, seq = cm.engine, composed.seq
+    generated = seq.token_ids[prompt_len:]
+    if finish == "stop" and generated and generated[-1] == close_ids[0]:
+        engine.extend(seq, close_ids[1:])
+    else:
+        engine.extend(seq, close_ids)  # an unfinished answer is closed before it can be reused
+    if seq.num_computed < seq.num_tokens:
+        engine.compute(seq)
+    _, _, had_think = split_think(generated, cm.format.think_ids)
+    start = prompt_len - len(cm.format.generation_prompt_ids())
+    exact = seq.exact_limit >= seq.num_tokens
+    output = cm.registry.add_output(
+        text.strip(),
+        seq.token_ids[start:],
+        had_think=had_think,
+        source_ids=tuple(c.chunk_id for c in chunks),
+    )
+    if output.span is None or not output.span.is_valid(engine.blocks):
+        output.span = KVSpan.of(engine.blocks, seq, start, seq.num_tokens, exact, pinned=True)
+    for chunk, a, b in composed.chunk_ranges:
+        if b <= seq.exact_limit and (chunk.span is None or not chunk.span.is_valid(engine.blocks)):
+            chunk.span = KVSpan.of(engine.blocks, seq, a, b, exact=True, pinned=False)
+    if as_turn:
+        cm.turns.append(output.chunk_id)
+    cm.live = seq
+    return output

@@ -1,0 +1,82 @@
+"""The chunk registry: every piece of text the user or the model brought in, with its token ids."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from kvchat.chunks.spans import KVSpan
+from kvchat.chunks.types import Role
+from kvchat.errors import ChunkError
+
+
+def chunk_id_of(role: Role, token_ids: list[int]) -> str:
+    """A short stable id from the role and the token ids (what the model sees)."""
+    h = hashlib.blake2b(digest_size=5)
+    h.update(role.value.encode())
+    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    return h.hexdigest()
+
+
+@dataclass
+class Chunk:
+    chunk_id: str
+    number: int
+    role: Role
+    text: str
+    token_ids: list[int]
+    span: KVSpan | None = None
+    output_number: int | None = None
+    had_think: bool = False
+    source_ids: tuple[str, ...] = ()  # for outputs: the context they were generated from
+    is_default: bool = False  # a system prompt the chat template would have inserted
+
+
+@dataclass
+class ChunkRegistry:
+    chunks: dict[str, Chunk] = field(default_factory=dict)
+    _next_number: int = 1
+    _next_output: int = 1
+
+    def add(self, role: Role, text: str, token_ids: list[int], **extra) -> Chunk:
+        """Register a chunk; the same role and tokens return the chunk already there."""
+        chunk_id = chunk_id_of(role, token_ids)
+        if chunk_id in self.chunks:
+            return self.chunks[chunk_id]
+        chunk = Chunk(chunk_id, self._next_number, role, text, list(token_ids), **extra)
+        self._next_number += 1
+        self.chunks[chunk_id] = chunk
+        return chunk
+
+    def add_output(self, text: str, token_ids: list[int], **extra) -> Chunk:
+        chunk = self.add(Role.OUTPUT, text, token_ids, **extra)
+        if chunk.output_number is None:
+            chunk.output_number = self._next_output
+            self._next_output += 1
+        return chunk
+
+    def find(self, ref: str) -> Chunk:
+        """A chunk by its number or a unique prefix of its id."""
+        ref = ref.strip()
+        if ref.isdigit():
+            for chunk in self.chunks.values():
+                if chunk.number == int(ref):
+                    return chunk
+            raise ChunkError(f"no chunk number {ref} (see /chunks)")
+        matches = [c for c in self.chunks.values() if c.chunk_id.startswith(ref)] if ref else []
+        if len(matches) != 1:
+            raise ChunkError(f"no chunk with id {ref!r}" if not matches else f"chunk id {ref!r} is ambiguous")
+        return matches[0]
+
+    def output(self, number: int) -> Chunk:
+        for chunk in self.chunks.values():
+            if chunk.output_number == number:
+                return chunk
+        known = sorted(c.output_number for c in self.chunks.values() if c.output_number is not None)
+        raise ChunkError(f"no output {number}" + (f" (outputs: {', '.join(map(str, known))})" if known else ""))
+
+    def outputs(self) -> list[Chunk]:
+        return sorted((c for c in self.chunks.values() if c.output_number is not None), key=lambda c: c.output_number)
+
+    def remove(self, chunk_id: str) -> Chunk:
+        return self.chunks.pop(chunk_id)

@@ -1,0 +1,197 @@
+"""The ContextManager on a tiny random model with the real SmolLM2 tokenizer and chat template."""
+
+import random
+
+import pytest
+import torch
+
+from kvchat.chunks.compose import RepairPolicy
+from kvchat.chunks.context import ContextManager
+from kvchat.chunks.inference import build
+from kvchat.chunks.template import ChatFormat
+from kvchat.chunks.types import InferenceResult, ReuseMode, Role, StepEvent
+from kvchat.engine.engine import Engine
+from kvchat.engine.sampling import SamplingParams
+from kvchat.errors import CacheFullError, ChunkError, StateFileError
+from tests.tiny_models import make_tiny_model
+from tests.tokenizers import load_smollm2_tokenizer
+
+WORDS = "the cat sat on a mat while rain fell over quiet hills and rivers ran to the sea".split()
+GREEDY = SamplingParams(max_tokens=8)
+
+
+def text(seed: int, n: int = 12) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama", vocab_size=49152)
+
+
+def make_manager(model, block_size=4, kv_memory=1 << 23, mode=ReuseMode.EXACT):
+    tokenizer = load_smollm2_tokenizer()
+    engine = Engine(model, kv_memory_bytes=kv_memory, block_size=block_size, prefill_chunk=16)
+    return ContextManager(
+        engine, ChatFormat(tokenizer), tokenizer, frozenset({2}), model_id="tiny", fingerprint="tiny-1", mode=mode
+    )
+
+
+def drain(stream) -> InferenceResult:
+    items = list(stream)
+    assert all(isinstance(i, StepEvent) for i in items[:-1])
+    assert isinstance(items[-1], InferenceResult)
+    return items[-1]
+
+
+def full_last_logits(model, token_ids):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([token_ids])).logits[0, -1]
+
+
+def composed_logits(cm):
+    composed = build(cm, cm.context_chunks())
+    logits = cm.engine.compute(composed.seq)
+    tokens = list(composed.seq.token_ids)
+    cm.engine.free(composed.seq)
+    return logits, tokens, composed
+
+
+def test_exact_mode_equals_full_recompute_across_compositions(model):
+    cm = make_manager(model)
+    cm.set_system(text(0))
+    docs = [cm.add_context(text(i, 10 + i)).chunk_id for i in range(1, 5)]
+    cm.set_query("what fell over the hills?")
+    rng = random.Random(0)
+    for _ in range(6):
+        cm.middle = rng.sample(docs, rng.randint(1, len(docs)))  # reordered and dropped chunks
+        logits, tokens, composed = composed_logits(cm)
+        assert (logits - full_last_logits(model, tokens)).abs().max() <= 1e-4
+        assert composed.num_repositioned == 0
+    assert cm.engine.blocks.hit_tokens > 0
+
+
+def test_chat_turns_compute_only_new_tokens(model):
+    cm = make_manager(model)
+    cm.set_system("You are terse.")
+    prev_tokens = 0
+    for turn in range(4):
+        result = drain(cm.chat(text(10 + turn, 6), GREEDY))
+        new_tokens = result.prompt_tokens - prev_tokens
+        if turn:
+            assert result.computed_tokens <= new_tokens + cm.engine.block_size
+            assert result.reused_tokens >= prev_tokens - cm.engine.block_size
+        prev_tokens = result.prompt_tokens + len(result.token_ids) + 1  # + the turn's closing "\n"
+    assert [c.role for c in cm.context_chunks()][-2:] == [Role.USER, Role.OUTPUT]
+
+
+def test_outputs_are_retained_pinned_and_released(model):
+    cm = make_manager(model)
+    cm.set_query("say something")
+    result = drain(cm.infer(GREEDY))
+    assert result.output_number == 1
+    (out,) = cm.outputs()
+    assert out.pinned and out.num_blocks > 0
+    assert cm.stats().num_pinned >= out.num_blocks
+    cm.use_output(1)
+    assert cm.context()[-2].output_number == 1  # outputs sit before the query
+    cm.delete_output(1)
+    assert cm.outputs() == [] and cm.stats().num_pinned == 0
+    with pytest.raises(ChunkError):
+        cm.use_output(1)
+    cm.reset()
+    cm.engine.blocks.check_invariants()
+    assert cm.engine.blocks.num_free == cm.engine.blocks.num_blocks
+
+
+def test_reposition_and_repair_move_chunks_and_report_them(model):
+    reports = {}
+    for mode in (ReuseMode.EXACT, ReuseMode.REPOSITION, ReuseMode.REPAIR):
+        cm = make_manager(model, mode=mode)
+        cm.repair = RepairPolicy(share=0.25, min_tokens=2)
+        cm.set_system("first system prompt")
+        doc = cm.add_context(text(3, 30))
+        cm.set_query("what ran to the sea?")
+        drain(cm.infer(GREEDY))
+        cm.set_system("a different and longer system prompt")  # every later position shifts
+        result = drain(cm.infer(GREEDY))
+        reports[mode] = next(r for r in result.chunks if r.chunk_id == doc.chunk_id)
+    assert reports[ReuseMode.EXACT].num_computed == reports[ReuseMode.EXACT].num_tokens
+    assert reports[ReuseMode.REPOSITION].num_repositioned == reports[ReuseMode.REPOSITION].num_tokens
+    repair = reports[ReuseMode.REPAIR]
+    assert 0 < repair.num_computed < repair.num_tokens and repair.num_repositioned == repair.num_tokens - repair.num_computed
+
+
+def test_verify_exact_is_identical_and_reposition_is_measured(model):
+    cm = make_manager(model)
+    cm.set_system("first system prompt")
+    cm.add_context(text(4, 30))
+    cm.set_query("what ran to the sea?")
+    drain(cm.infer(GREEDY))
+    cm.set_system("another system prompt, longer than the first one")
+    cm.mode = ReuseMode.REPOSITION
+    moved = cm.verify(8)
+    assert moved.repositioned_tokens > 0 and moved.max_logit_diff > 0
+    cm.mode = ReuseMode.EXACT
+    exact = cm.verify(8)
+    assert exact.kl_divergence < 1e-6 and exact.top1_agree and exact.greedy_agree == 8
+    assert exact.repositioned_tokens == 0
+    cm.engine.blocks.check_invariants()
+
+
+def test_cancel_keeps_generated_tokens(model):
+    cm = make_manager(model)
+    cm.set_query("count")
+    stream = cm.infer(SamplingParams(max_tokens=50))
+    next(stream)
+    result = stream.throw(KeyboardInterrupt())
+    assert isinstance(result, InferenceResult) and result.finish_reason == "cancelled"
+    assert len(result.token_ids) >= 1 and cm.outputs()[0].num_tokens > 0
+    cm.engine.blocks.check_invariants()
+
+
+def test_budget_refuses_oversized_chunks_and_keeps_state(model):
+    block_bytes = Engine(model, kv_memory_bytes=1 << 23, block_size=4).bytes_per_block
+    cm = make_manager(model, kv_memory=block_bytes * 16)  # 64 tokens
+    with pytest.raises(CacheFullError):
+        cm.add_context(text(5, 200))
+    cm.set_query("hi")
+    drain(cm.infer(SamplingParams(max_tokens=4)))
+    kept = [(o.chunk_id, o.num_tokens, o.num_blocks, o.pinned) for o in cm.outputs()]
+    cm.set_query(text(6, 15))
+    with pytest.raises(CacheFullError, match="delete-output 1"):
+        drain(cm.infer(SamplingParams(max_tokens=12)))
+    assert [(o.chunk_id, o.num_tokens, o.num_blocks, o.pinned) for o in cm.outputs()] == kept
+
+
+def test_save_load_round_trip(model, tmp_path):
+    cm = make_manager(model)
+    cm.set_system("You are terse.")
+    cm.add_context(text(7, 20))
+    cm.set_query("what sat on the mat?")
+    first = drain(cm.infer(GREEDY))
+    cm.save(tmp_path / "state.safetensors")
+    fresh = make_manager(model)
+    assert fresh.load(tmp_path / "state.safetensors") == len(cm.chunks())
+    again = drain(fresh.infer(GREEDY))
+    assert again.token_ids == first.token_ids
+    assert again.computed_tokens == 1  # only the last prompt token, for its logits
+    assert [c.chunk_id for c in fresh.outputs()] == [c.chunk_id for c in cm.outputs()]
+
+
+def test_load_refuses_mismatched_and_truncated_files(model, tmp_path):
+    cm = make_manager(model)
+    cm.set_query("hello there")
+    drain(cm.infer(GREEDY))
+    path = tmp_path / "s.safetensors"
+    cm.save(path)
+    other = make_manager(model, block_size=8)
+    other.set_query("keep me")
+    with pytest.raises(StateFileError, match="block_size"):
+        other.load(path)
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(StateFileError):
+        other.load(tmp_path / "cut.safetensors")
+    assert other.chunk(other.query).info.text == "keep me"
