@@ -1,0 +1,122 @@
+"""Slash commands as data: a decorator marks handler methods, a registry collects them per object.
+
+`/help`, completion and the "did you mean" hint all read the registry, so a command exists in one
+place only. The registry belongs to the object whose methods it holds (the shell), never to a module.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any
+
+from kvchat.errors import CommandError
+
+PREFIX = "/"
+_MARK = "_kvchat_command"
+
+
+class ArgKind(StrEnum):
+    """What a command's argument names, so completion can offer the right things."""
+
+    NONE = "none"
+    TEXT = "text"
+    OUTPUT = "output"  # a retained output number
+    CHUNK = "chunk"  # a chunk number or id prefix
+    SETTING = "setting"
+    MODE = "mode"
+    COMMAND = "command"
+    PATH = "path"
+
+
+@dataclass(frozen=True)
+class Command:
+    """One slash command: its names, its one-line help and the bound handler."""
+
+    name: str
+    summary: str
+    usage: str  # argument synopsis, e.g. "N|ID", "[N]" when optional; empty when the command takes none
+    aliases: tuple[str, ...]
+    arg: ArgKind
+    handler: Callable[[str], Any]
+
+    @property
+    def needs_argument(self) -> bool:
+        return bool(self.usage) and not self.usage.startswith("[")
+
+    @property
+    def synopsis(self) -> str:
+        return f"{PREFIX}{self.name} {self.usage}".rstrip()
+
+
+def command(
+    name: str, summary: str, *, usage: str = "", aliases: tuple[str, ...] = (), arg: ArgKind = ArgKind.NONE
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a method `(self, arg: str) -> record` as the handler of `/name`."""
+
+    def mark(func: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(func, _MARK, Command(name, summary, usage, aliases, arg, func))  # bound per owner later
+        return func
+
+    return mark
+
+
+class CommandRegistry:
+    """The commands of one owner object, in the order its class defines them."""
+
+    def __init__(self, owner: object) -> None:
+        self._commands: dict[str, Command] = {}
+        self._names: dict[str, str] = {}  # name or alias -> name
+        for attr in _marked_attributes(type(owner)):
+            unbound: Command = getattr(getattr(type(owner), attr), _MARK)
+            self._add(replace(unbound, handler=getattr(owner, attr)))
+
+    def _add(self, cmd: Command) -> None:
+        for name in (cmd.name, *cmd.aliases):
+            assert name not in self._names, f"command /{name} registered twice"
+            self._names[name] = cmd.name
+        self._commands[cmd.name] = cmd
+
+    def __iter__(self) -> Iterator[Command]:
+        return iter(self._commands.values())
+
+    def get(self, name: str) -> Command:
+        """The command called `name` (or an alias); CommandError with the closest match otherwise."""
+        if name in self._names:
+            return self._commands[self._names[name]]
+        close = difflib.get_close_matches(name, self._names, n=1, cutoff=0.5)
+        hint = f"; did you mean {PREFIX}{close[0]}?" if close else f"; {PREFIX}help lists the commands"
+        raise CommandError(f"unknown command {PREFIX}{name}{hint}")
+
+
+def _marked_attributes(cls: type) -> list[str]:
+    # Definition order (not alphabetical) so /help reads in the order the commands were written.
+    seen: dict[str, None] = {}
+    for klass in reversed(cls.__mro__):
+        for attr, value in vars(klass).items():
+            if inspect.isfunction(value) and hasattr(value, _MARK):
+                seen[attr] = None
+    return list(seen)
+
+
+def split_command(line: str) -> tuple[str, str] | None:
+    """`"/name rest"` -> `("name", "rest")`; None when the line is not a command (plain chat text).
+
+    The argument starts after the first run of whitespace, newlines included, so a block of text
+    joined under a command line becomes its argument.
+    """
+    match = _COMMAND_RE.fullmatch(line.strip())
+    return (match[1], match[2]) if match else None
+
+
+_COMMAND_RE = re.compile(rf"{re.escape(PREFIX)}(\S*)\s*(.*)", re.DOTALL)
+
+
+def join_block(head: str, body: list[str]) -> str:
+    """A command line and the lines of a block under it, as one command: the block is its argument."""
+    text = "\n".join(body).strip("\n")
+    return f"{head}\n{text}" if head else text

@@ -1,0 +1,59 @@
+"""The records command handlers return beside those of kvchat.chunks.types. The UI renders them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvchat.chunks.types import ChunkInfo, InferenceResult, StepEvent
+from kvchat.cli.registry import Command
+
+
+@dataclass(frozen=True)
+class Inference:
+    """A generation to run: the runner consumes the stream, the UI shows it as it comes."""
+
+    stream: Iterator[StepEvent | InferenceResult]
+
+
+@dataclass(frozen=True)
+class ChunkChange:
+    """One chunk that a command added, replaced or removed."""
+
+    action: str  # past tense, e.g. "added", "dropped"
+    chunk: ChunkInfo
+
+
+@dataclass(frozen=True)
+class ChunkList:
+    chunks: list[ChunkInfo]
+
+
+@dataclass(frozen=True)
+class OutputList:
+    outputs: list[ChunkInfo]
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A state change with nothing more to show than one line; `data` goes into --json."""
+
+    text: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SettingsView:
+    values: dict[str, Any]  # dotted key -> value
+
+
+@dataclass(frozen=True)
+class HelpView:
+    commands: list[Command]
+    topic: Command | None = None  # `/help NAME`: the one command asked about
+
+
+@dataclass(frozen=True)
+class Quit:
+    """Ends the session."""
