@@ -1,0 +1,105 @@
+"""The `--json` form of each command's result: one JSON object per command, one per line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceResult
+from kvchat.cli.registry import Command
+from kvchat.cli.results import ChunkChange, ChunkList, HelpView, Notice, OutputList, Quit, SettingsView
+
+
+def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, Any]:
+    """The JSON object for one command that succeeded.
+
+    Every object has `cmd` (the command's name without the slash, "chat" for plain text), `ok`
+    (true/false), `error` (null or one line) and, when read from a script or stdin, `line` (where the
+    command starts, 1-based). The rest depends on the command:
+
+    - chat, infer: `output` (the text), `output_number`, `chunk_id`, `finish_reason` ("stop",
+      "stop_string", "length", "cancelled"), `mode`, `prompt_tokens`, `reused_tokens`,
+      `repositioned_tokens`, `computed_tokens`, `generated_tokens`, `ttft_s`, `prefill_tok_s`,
+      `decode_tok_s`, `had_think`, and `chunks`: one object per chunk of the context, with
+      `chunk_id`, `role`, `num_tokens`, `num_reused`, `num_repositioned`, `num_computed`.
+    - system, context, query, use-output, delete-output, drop: `action` and `chunk`, a chunk object:
+      `number`, `chunk_id`, `role`, `text`, `num_tokens`, `num_blocks`, `num_refs`, `place` (1-based
+      place in the context or null), `pinned`, `output_number` (null unless an output).
+    - chunks: `chunks`, a list of chunk objects. output: `outputs`, a list of chunk objects.
+    - show: `chunk`, a chunk object plus `token_ids`, `positions` and `kv_positions` (each
+      `[start, stop)` as a two-number list, or null), `block_ids`, `had_think`, `source`.
+    - stats: `stats` with `num_blocks`, `num_used`, `num_pinned`, `num_cached`, `num_free`,
+      `block_size`, `bytes_total`, `bytes_per_block`, `hit_tokens`, `lookup_tokens`, `hit_rate`.
+    - verify: `fidelity` with `mode`, `kl_divergence`, `top1_agree`, `top5_overlap`,
+      `max_logit_diff`, `greedy_agree`, `greedy_tokens`, `reused_tokens`, `repositioned_tokens`,
+      `computed_tokens`.
+    - set: `settings` ({"table.key": value}) when listing; `key` and `value` when changing one.
+    - mode: `mode`. save, load: `path`, `num_chunks`. clear, reset: `message`.
+    - help: `commands`, a list of {`name`, `usage`, `summary`, `aliases`}; `/help NAME` adds `command`.
+    - quit: nothing more.
+    """
+    out: dict[str, Any] = {"cmd": cmd, "ok": True, "error": None}
+    if line is not None:
+        out["line"] = line
+    out.update(_fields(record))
+    return out
+
+
+def error_json(cmd: str | None, message: str, line: int | None = None) -> dict[str, Any]:
+    """The JSON object for one command that failed; `cmd` is null when the line could not be read."""
+    out: dict[str, Any] = {"cmd": cmd, "ok": False, "error": message}
+    if line is not None:
+        out["line"] = line
+    return out
+
+
+def dumps(obj: dict[str, Any]) -> str:
+    # ensure_ascii=False keeps model text readable; ranges become [start, stop].
+    return json.dumps(obj, ensure_ascii=False, default=_range_as_list)
+
+
+def _fields(record: object) -> dict[str, Any]:
+    match record:
+        case InferenceResult():
+            return _inference_fields(record)
+        case ChunkChange(action=action, chunk=chunk):
+            return {"action": action, "chunk": asdict(chunk)}
+        case ChunkList(chunks=chunks):
+            return {"chunks": [asdict(c) for c in chunks]}
+        case OutputList(outputs=outputs):
+            return {"outputs": [asdict(c) for c in outputs]}
+        case ChunkDetail():
+            detail = asdict(record)
+            return {"chunk": {**detail.pop("info"), **detail}}
+        case CacheStats():
+            return {"stats": {**asdict(record), "hit_rate": record.hit_rate}}
+        case FidelityReport():
+            return {"fidelity": asdict(record)}
+        case SettingsView(values=values):
+            return {"settings": values}
+        case HelpView(commands=commands, topic=topic):
+            topic_fields = {"command": _command_fields(topic)} if topic else {}
+            return {"commands": [_command_fields(c) for c in commands], **topic_fields}
+        case Notice(text=text, data=data):
+            return data or {"message": text}
+        case Quit():
+            return {}
+    raise TypeError(f"no JSON form for {type(record).__name__}")
+
+
+def _inference_fields(result: InferenceResult) -> dict[str, Any]:
+    fields = asdict(result)
+    fields["output"] = fields.pop("text")
+    fields["generated_tokens"] = len(fields.pop("token_ids"))
+    return fields
+
+
+def _command_fields(cmd: Command) -> dict[str, Any]:
+    return {"name": cmd.name, "usage": cmd.usage, "summary": cmd.summary, "aliases": list(cmd.aliases)}
+
+
+def _range_as_list(value: object) -> list[int]:
+    if isinstance(value, range):
+        return [value.start, value.stop]
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

@@ -1,0 +1,169 @@
+"""All of kvchat's printing: one themed rich console for results, its twin on stderr for progress bars
+and fatal errors (so `--json` on stdout stays pure JSON)."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, TYPE_CHECKING, Any
+
+from rich.console import Console, RenderableType
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.text import Text
+from rich.theme import Theme
+
+from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceResult, StepEvent
+from kvchat.cli import jsonout, views
+from kvchat.cli.results import ChunkChange, ChunkList, HelpView, Notice, OutputList, Quit, SettingsView
+
+if TYPE_CHECKING:
+    from kvchat.models.progress import ProgressCallback
+
+THEME = Theme(
+    {
+        "error": "bold red",
+        "warning": "yellow",
+        "ok": "green",
+        "id": "cyan",
+        "muted": "dim",
+        "thinking": "dim italic",
+        "prompt": "bold",
+    }
+)
+
+
+class UI:
+    """Renders records as text (or as JSON lines with `json_lines`), streams model text as it comes."""
+
+    def __init__(
+        self,
+        *,
+        color: bool = True,
+        json_lines: bool = False,
+        show_thinking: bool = True,
+        debug: bool = False,
+        file: IO[str] | None = None,
+        err_file: IO[str] | None = None,
+    ) -> None:
+        # color_system=None strips every escape code, styles included, not just colors.
+        system = "auto" if color else None
+        self.console = Console(file=file, theme=THEME, color_system=system, highlight=False)
+        self.err_console = Console(
+            file=err_file, stderr=err_file is None, theme=THEME, color_system=system, highlight=False
+        )
+        self.json_lines = json_lines
+        self.show_thinking = show_thinking
+        self.debug = debug
+        self._open_kind: str | None = None  # "text"/"thinking" while a streamed line is unfinished
+
+    def step(self, event: StepEvent) -> None:
+        """Print one streamed delta; thinking text dim, or not at all when hidden."""
+        if self.json_lines:
+            return
+        if event.thinking and self.show_thinking:
+            self._stream(event.thinking, "thinking")
+        if event.text:
+            self._stream(event.text, "text")
+
+    def _stream(self, delta: str, kind: str) -> None:
+        if self._open_kind not in (None, kind):
+            self.console.out("")  # thinking and answer on their own lines
+        self.console.out(delta, end="", style="thinking" if kind == "thinking" else None, highlight=False)
+        self._open_kind = None if delta.endswith("\n") else kind
+
+    def _end_stream(self) -> None:
+        if self._open_kind is not None:
+            self.console.out("")
+            self._open_kind = None
+
+    def show(self, cmd: str, record: object, line: int | None = None) -> None:
+        """Render the record a command returned."""
+        self._end_stream()
+        if self.json_lines:
+            self._json(jsonout.result_json(cmd, record, line))
+            return
+        for renderable in _renderables(record):
+            # One-line results stay one line however narrow the terminal; the terminal wraps them.
+            self.console.print(renderable, soft_wrap=isinstance(renderable, Text))
+
+    def error(self, cmd: str | None, message: str, line: int | None = None) -> None:
+        """One red line for a command that failed; the session goes on."""
+        self._end_stream()
+        if self.json_lines:
+            self._json(jsonout.error_json(cmd, message, line))
+            return
+        where = f"line {line}: " if line is not None else ""
+        self.console.print(Text(f"error: {where}{message}", style="error"), soft_wrap=True)
+
+    def _json(self, obj: dict[str, Any]) -> None:
+        self.console.out(jsonout.dumps(obj), highlight=False)
+
+    def exception(self, exc: BaseException) -> None:
+        """The traceback of an unexpected error, shown only with --debug."""
+        if self.debug:
+            self.err_console.print(Text("".join(traceback.format_exception(exc)), style="muted"))
+
+    def fatal(self, message: str) -> None:
+        """The one line shown when kvchat cannot start."""
+        self.err_console.print(Text(f"kvchat: {message}", style="error"), soft_wrap=True)
+
+    def banner(self, model_id: str) -> None:
+        if not self.json_lines:
+            self.console.print(
+                Text.assemble(
+                    ("kvchat", "prompt"),
+                    f" · {model_id} · /help lists the commands, Ctrl-D quits",
+                    style="muted",
+                )
+            )
+
+    @contextmanager
+    def progress(self) -> Iterator[ProgressCallback | None]:
+        """A progress bar on stderr driven by the callback it yields; None when stderr is no terminal."""
+        if not self.err_console.is_terminal:
+            yield None
+            return
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=self.err_console, transient=True) as bar:
+            tasks: dict[str, TaskID] = {}
+
+            def report(description: str, completed: float, total: float | None) -> None:
+                if description not in tasks:
+                    tasks[description] = bar.add_task(description, total=total)
+                bar.update(tasks[description], completed=completed, total=total)
+
+            yield report
+
+
+def _renderables(record: object) -> list[RenderableType]:
+    match record:
+        case InferenceResult():
+            table = [views.chunk_reports_table(record.chunks)] if views.needs_chunk_table(record) else []
+            return [views.inference_line(record), *table]
+        case ChunkChange():
+            return [views.chunk_line(record)]
+        case ChunkList(chunks=chunks):
+            return [views.chunks_table(chunks)]
+        case OutputList(outputs=outputs):
+            return [views.outputs_table(outputs)]
+        case ChunkDetail():
+            return [views.detail_view(record)]
+        case CacheStats():
+            return [views.stats_table(record)]
+        case FidelityReport():
+            return [views.fidelity_table(record)]
+        case SettingsView():
+            return [views.settings_table(record)]
+        case HelpView():
+            return [views.help_view(record)]
+        case Notice(text=text):
+            return [Text(text, style="ok")]
+        case Quit():
+            return []
+    raise TypeError(f"no view for {type(record).__name__}")

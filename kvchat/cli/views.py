@@ -1,0 +1,208 @@
+"""Rich renderables for each record. Pure: builds Text and Table objects, prints nothing."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kvchat.chunks.types import (
+    CacheStats,
+    ChunkDetail,
+    ChunkInfo,
+    ChunkReport,
+    FidelityReport,
+    InferenceResult,
+)
+from kvchat.cli.results import ChunkChange, HelpView, SettingsView
+
+PREVIEW_CHARS = 48
+
+
+def preview(text: str, width: int = PREVIEW_CHARS) -> str:
+    """The start of `text` on one line, cut with an ellipsis."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def human_bytes(num_bytes: int) -> str:
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def span(positions: range | None) -> str:
+    if positions is None or not positions:
+        return "—"
+    return f"{positions.start}–{positions.stop - 1}"
+
+
+def id_ranges(ids: list[int]) -> str:
+    """`[3, 4, 5, 9]` -> `"3–5, 9"`: block lists get long, runs are the common case."""
+    runs: list[list[int]] = []
+    for block_id in ids:
+        if runs and block_id == runs[-1][1] + 1:
+            runs[-1][1] = block_id
+        else:
+            runs.append([block_id, block_id])
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs) or "—"
+
+
+def chunk_line(change: ChunkChange) -> Text:
+    info = change.chunk
+    place = f"in context at {info.place}" if info.place is not None else "not in context"
+    return Text.assemble(
+        (f"{change.action}: ", "ok"),
+        (f"#{info.number} {info.role} {info.chunk_id}", "id"),
+        f" · {info.num_tokens} tokens · {info.num_blocks} blocks · {place}",
+    )
+
+
+def chunks_table(chunks: list[ChunkInfo]) -> RenderableType:
+    if not chunks:
+        return Text("no chunks", style="muted")
+    # Sized to fit 80 columns: narrow padding, the text preview last and cut short.
+    table = Table(
+        "#",
+        "role",
+        "id",
+        "tokens",
+        "blocks",
+        "refs",
+        "place",
+        "pin",
+        "text",
+        box=None,
+        pad_edge=False,
+        padding=(0, 1, 0, 0),
+    )
+    for c in chunks:
+        role = f"{c.role} {c.output_number}" if c.output_number is not None else str(c.role)
+        place = str(c.place) if c.place is not None else "—"
+        table.add_row(
+            str(c.number),
+            role,
+            c.chunk_id,
+            str(c.num_tokens),
+            str(c.num_blocks),
+            str(c.num_refs),
+            place,
+            "yes" if c.pinned else "",
+            preview(c.text, 28),
+        )
+    return table
+
+
+def outputs_table(outputs: list[ChunkInfo]) -> RenderableType:
+    if not outputs:
+        return Text("no retained outputs", style="muted")
+    table = Table("output", "text", "tokens", "id", box=None, pad_edge=False)
+    for c in outputs:
+        table.add_row(str(c.output_number), preview(c.text), str(c.num_tokens), c.chunk_id)
+    return table
+
+
+def detail_view(detail: ChunkDetail) -> RenderableType:
+    info = detail.info
+    facts = Table.grid(padding=(0, 2))
+    facts.add_row("chunk", f"#{info.number} {info.role} {info.chunk_id}")
+    facts.add_row("tokens", str(info.num_tokens))
+    facts.add_row("positions", span(detail.positions) if detail.positions is not None else "not in context")
+    facts.add_row(
+        "KV computed at", span(detail.kv_positions) if detail.kv_positions is not None else "no KV kept"
+    )
+    facts.add_row("blocks", f"{id_ranges(detail.block_ids)} · {info.num_refs} references")
+    if info.output_number is not None:
+        facts.add_row("output", str(info.output_number))
+    if detail.source:
+        facts.add_row("from context", detail.source)
+    if detail.had_think:
+        facts.add_row("thinking", "kept in KV, hidden from the text")
+    return Group(facts, Text(""), Text(info.text))
+
+
+def stats_table(stats: CacheStats) -> RenderableType:
+    table = Table.grid(padding=(0, 2))
+    table.add_row(
+        "blocks",
+        f"{stats.num_used} used · {stats.num_pinned} pinned · {stats.num_cached} cached · "
+        f"{stats.num_free} free · {stats.num_blocks} total",
+    )
+    table.add_row("block size", f"{stats.block_size} tokens · {human_bytes(stats.bytes_per_block)}")
+    table.add_row(
+        "KV memory",
+        f"{human_bytes(stats.num_used * stats.bytes_per_block)} used of {human_bytes(stats.bytes_total)}",
+    )
+    table.add_row("hit rate", f"{stats.hit_rate:.1%} ({stats.hit_tokens} of {stats.lookup_tokens} tokens)")
+    return table
+
+
+def fidelity_table(report: FidelityReport) -> RenderableType:
+    table = Table.grid(padding=(0, 2))
+    table.add_row("mode", f"{report.mode} vs full recompute")
+    table.add_row("KL divergence", f"{report.kl_divergence:.3g}")
+    table.add_row("top-1 agrees", "yes" if report.top1_agree else "no")
+    table.add_row("top-5 overlap", f"{report.top5_overlap} of 5")
+    table.add_row("max logit diff", f"{report.max_logit_diff:.3g}")
+    table.add_row("greedy agrees", f"{report.greedy_agree} of {report.greedy_tokens} tokens")
+    table.add_row(
+        "tokens",
+        f"{report.reused_tokens} reused · {report.repositioned_tokens} repositioned · "
+        f"{report.computed_tokens} computed",
+    )
+    return table
+
+
+def inference_line(result: InferenceResult) -> Text:
+    finish = "cancelled — output truncated" if result.finish_reason == "cancelled" else result.finish_reason
+    parts = [
+        f"tokens: {result.reused_tokens} reused · {result.repositioned_tokens} repositioned · "
+        f"{result.computed_tokens} computed",
+        f"ttft {result.ttft_s:.2f} s",
+        f"{result.decode_tok_s:.1f} tok/s",
+        finish,
+    ]
+    if result.output_number is not None:
+        parts.append(f"output {result.output_number}")
+    return Text(" · ".join(parts), style="warning" if result.finish_reason == "cancelled" else "muted")
+
+
+def needs_chunk_table(result: InferenceResult) -> bool:
+    """True when some chunk was not simply reused; the last chunk is the new turn, always computed."""
+    return result.repositioned_tokens > 0 or any(c.num_computed for c in result.chunks[:-1])
+
+
+def chunk_reports_table(reports: list[ChunkReport]) -> RenderableType:
+    table = Table("id", "role", "tokens", "reused", "repositioned", "computed", box=None, pad_edge=False)
+    for r in reports:
+        table.add_row(
+            r.chunk_id,
+            str(r.role),
+            str(r.num_tokens),
+            str(r.num_reused),
+            str(r.num_repositioned),
+            str(r.num_computed),
+        )
+    return table
+
+
+def settings_table(view: SettingsView) -> RenderableType:
+    table = Table("setting", "value", box=None, pad_edge=False)
+    for key, value in view.values.items():
+        table.add_row(key, str(value))
+    return table
+
+
+def help_view(view: HelpView) -> RenderableType:
+    if view.topic is not None:
+        cmd = view.topic
+        aliases = f"  (also {', '.join('/' + a for a in cmd.aliases)})" if cmd.aliases else ""
+        return Text.assemble((cmd.synopsis, "id"), aliases, "\n", cmd.summary)
+    table = Table.grid(padding=(0, 2))
+    table.add_row(Text("TEXT", style="id"), "Chat: add a user turn, generate the answer")
+    for cmd in view.commands:
+        table.add_row(Text(cmd.synopsis, style="id"), cmd.summary)
+    return table
