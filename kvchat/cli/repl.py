@@ -1,0 +1,110 @@
+"""The interactive loop: prompt_toolkit for input, the runner for everything else.
+
+Enter sends the line; Alt-Enter (or Esc then Enter) starts a new line. Text between `\"\"\"` fences
+may span lines too: Enter adds a new line while a fence is open, so
+`/context \"\"\"` ... `\"\"\"` sends the lines between as the argument. Ctrl-C clears the line (while
+generating it stops the output and keeps what came so far); Ctrl-D quits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prompt_toolkit import PromptSession
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+from prompt_toolkit.input import Input
+from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
+from prompt_toolkit.output import Output
+
+from kvchat.cli.commands import Shell
+from kvchat.cli.completion import ShellCompleter
+from kvchat.cli.registry import join_block
+from kvchat.cli.runner import Status, run_line
+from kvchat.cli.ui import UI
+
+FENCE = '"""'
+PROMPT = "› "
+
+
+def run_interactive(shell: Shell, ui: UI, session: PromptSession[str]) -> int:
+    """Read and run lines until Ctrl-D or /quit; the exit status is always 0."""
+    ui.banner(shell.ctx.model_id)
+    while True:
+        try:
+            text = unfence(session.prompt()).strip()
+        except KeyboardInterrupt:
+            continue  # Ctrl-C at the prompt: drop the line
+        except EOFError:
+            return 0
+        if not text:
+            continue
+        try:
+            status = run_line(shell, ui, text)
+        except KeyboardInterrupt:
+            continue  # a Ctrl-C that missed the generation (e.g. while a table printed)
+        if status is Status.QUIT:
+            return 0
+
+
+def make_prompt_session(
+    shell: Shell, history_file: Path | None, *, input: Input | None = None, output: Output | None = None
+) -> PromptSession[str]:
+    """The prompt: history, completion, multi-line keys and a toolbar with the cache's state."""
+    return PromptSession(
+        PROMPT,
+        history=_history(history_file),
+        completer=ShellCompleter(shell),
+        complete_while_typing=False,
+        multiline=True,
+        key_bindings=_key_bindings(),
+        bottom_toolbar=lambda: toolbar(shell),
+        input=input,
+        output=output,
+    )
+
+
+def toolbar(shell: Shell) -> str:
+    stats = shell.ctx.stats()
+    return f" {shell.ctx.model_id} · KV {stats.num_used}/{stats.num_blocks} blocks · reuse {shell.ctx.mode} "
+
+
+def unfence(text: str) -> str:
+    """`/context \"\"\"a\\nb\"\"\"` -> `/context\\na\\nb`: the fenced text becomes the argument."""
+    head, fence, rest = text.partition(FENCE)
+    if not fence:
+        return text
+    body = rest.rsplit(FENCE, 1)[0] if FENCE in rest else rest
+    return join_block(head.strip(), body.split("\n"))
+
+
+def is_fence_open(text: str) -> bool:
+    return text.count(FENCE) % 2 == 1
+
+
+def _key_bindings() -> KeyBindings:
+    bindings = KeyBindings()
+
+    @bindings.add("enter")
+    def _send_or_newline(event: KeyPressEvent) -> None:
+        buffer = event.current_buffer
+        if is_fence_open(buffer.text):
+            buffer.insert_text("\n")
+        else:
+            buffer.validate_and_handle()
+
+    @bindings.add("escape", "enter")
+    def _newline(event: KeyPressEvent) -> None:
+        event.current_buffer.insert_text("\n")
+
+    return bindings
+
+
+def _history(path: Path | None) -> History:
+    if path is None:
+        return InMemoryHistory()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(exist_ok=True)
+    except OSError:
+        return InMemoryHistory()  # an unwritable home must not stop the chat
+    return FileHistory(str(path))
