@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, replace
@@ -41,18 +42,21 @@ Stream = Generator[StepEvent | InferenceResult, None, None]
 
 @pytest.fixture(autouse=True)
 def isolated_user_dirs(tmp_path, monkeypatch):
-    """Point home, config, cache and history at a temp dir so no test reads or writes the user's."""
-    for var in (
-        "HOME",
-        "XDG_CONFIG_HOME",
-        "XDG_STATE_HOME",
-        "XDG_DATA_HOME",
-        "XDG_CACHE_HOME",
-        "KVCHAT_CACHE_DIR",
-    ):
+    """Point home, config and history at a temp dir so no test reads or writes the user's.
+
+    Model caches stay where they are: a real-model test must not convert or download again.
+    """
+    home = Path.home()
+    monkeypatch.setenv(
+        "KVCHAT_CACHE_DIR", os.environ.get("KVCHAT_CACHE_DIR") or str(home / ".cache" / "kvchat")
+    )
+    monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME") or str(home / ".cache" / "huggingface"))
+    monkeypatch.setenv("XDG_CACHE_HOME", os.environ.get("XDG_CACHE_HOME") or str(home / ".cache"))
+    for var in ("HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_DATA_HOME"):
         (tmp_path / var).mkdir(exist_ok=True)
         monkeypatch.setenv(var, str(tmp_path / var))
-    monkeypatch.delenv("NO_COLOR", raising=False)
+    for var in ("NO_COLOR", "FORCE_COLOR"):
+        monkeypatch.delenv(var, raising=False)
     return tmp_path
 
 

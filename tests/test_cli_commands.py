@@ -24,7 +24,8 @@ def test_thinking_is_shown_on_its_own_line_or_hidden():
     h.run("q")
     assert h.take().startswith("Let me think.\nAnswer.\n")
     h = make_harness([Response("Answer.", thinking="Let me think.")])
-    h.ui.show_thinking = False
+    h.run("/set ui.show_thinking false")
+    h.take()
     h.run("q")
     assert h.take().startswith("Answer.\n")
 
@@ -99,6 +100,9 @@ def test_set_changes_the_next_inference_and_lists_settings():
     assert "sampling.temperature" in listing and "reuse.mode" in listing
     h.run("/set reuse.mode reposition")
     assert h.ctx.mode is ReuseMode.REPOSITION
+    h.take()
+    h.run("/set cache.block_size 32")
+    assert "takes effect when kvchat starts again" in h.take()
 
 
 def test_context_from_a_file(tmp_path):

@@ -14,10 +14,10 @@ def interrupt_on_step(h, step_number):
     """Make the UI raise KeyboardInterrupt while it shows the given step, as a Ctrl-C would."""
     show = h.ui.step
 
-    def step(event):
+    def step(event, show_thinking=True):
         if event.num_generated == step_number:
             raise KeyboardInterrupt
-        show(event)
+        show(event, show_thinking)
 
     h.ui.step = step
 

@@ -160,7 +160,9 @@ def session_main(flags: dict[str, Any], script: Path | None, open_session: Sessi
             with script.open("rb") as stream:
                 return run_script(shell, ui, stream)
         if _stdin_is_terminal():
-            session = make_prompt_session(shell, _history_file(shell.settings))
+            session = make_prompt_session(
+                shell, _history_file(shell.settings), color=not flags.get("no_color")
+            )
             return run_interactive(shell, ui, session)
         return run_script(shell, ui, _stdin_bytes())
     except KeyboardInterrupt:
@@ -172,7 +174,6 @@ def _open_shell(flags: dict[str, Any], open_session: SessionFactory, ui: UI) -> 
 
     overrides = {f.key: flags[f.name] for f in FLAGS if f.key and flags.get(f.name) is not None}
     settings = load_settings(flags.get("config"), overrides)
-    ui.show_thinking = settings.ui.show_thinking
     with ui.progress() as progress:
         ctx = open_session(settings, progress)
     return Shell(ctx, settings)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kvchat.config import Settings
 
 DEFAULT_VERIFY_TOKENS = 16
+LIVE_TABLES = ("sampling", "reuse", "ui")  # the model and cache tables only apply at start
 MODES = ", ".join(mode.value for mode in ReuseMode)
 
 
@@ -130,7 +131,8 @@ class Shell:
         if key == "reuse.mode":
             self.ctx.mode = ReuseMode(new_value)
         self.settings = settings
-        return Notice(f"{key} = {new_value}", {"key": key, "value": new_value})
+        later = "" if key.split(".")[0] in LIVE_TABLES else " (takes effect when kvchat starts again)"
+        return Notice(f"{key} = {new_value}{later}", {"key": key, "value": new_value})
 
     @command(
         "mode",

@@ -14,7 +14,7 @@ from prompt_toolkit import PromptSession
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
-from prompt_toolkit.output import Output
+from prompt_toolkit.output import ColorDepth, Output
 
 from kvchat.cli.commands import Shell
 from kvchat.cli.completion import ShellCompleter
@@ -47,9 +47,17 @@ def run_interactive(shell: Shell, ui: UI, session: PromptSession[str]) -> int:
 
 
 def make_prompt_session(
-    shell: Shell, history_file: Path | None, *, input: Input | None = None, output: Output | None = None
+    shell: Shell,
+    history_file: Path | None,
+    *,
+    color: bool = True,
+    input: Input | None = None,
+    output: Output | None = None,
 ) -> PromptSession[str]:
-    """The prompt: history, completion, multi-line keys and a toolbar with the cache's state."""
+    """The prompt: history, completion, multi-line keys and a toolbar with the cache's state.
+
+    Without `color` the prompt is monochrome; a line editor still needs its cursor escapes.
+    """
     return PromptSession(
         PROMPT,
         history=_history(history_file),
@@ -58,6 +66,7 @@ def make_prompt_session(
         multiline=True,
         key_bindings=_key_bindings(),
         bottom_toolbar=lambda: toolbar(shell),
+        color_depth=None if color else ColorDepth.MONOCHROME,
         input=input,
         output=output,
     )

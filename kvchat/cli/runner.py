@@ -26,7 +26,8 @@ def run_line(shell: Shell, ui: UI, line: str, lineno: int | None = None) -> Stat
     try:
         cmd, record = shell.execute(line)
         if isinstance(record, Inference):
-            record = consume(record.stream, ui.step)
+            show_thinking = shell.settings.ui.show_thinking
+            record = consume(record.stream, lambda event: ui.step(event, show_thinking))
     except KvchatError as exc:
         ui.error(typed_name, str(exc), lineno)
         return Status.FAILED

@@ -41,7 +41,6 @@ class UI:
         *,
         color: bool = True,
         json_lines: bool = False,
-        show_thinking: bool = True,
         debug: bool = False,
         file: IO[str] | None = None,
         err_file: IO[str] | None = None,
@@ -53,15 +52,14 @@ class UI:
             file=err_file, stderr=err_file is None, theme=THEME, color_system=system, highlight=False
         )
         self.json_lines = json_lines
-        self.show_thinking = show_thinking
         self.debug = debug
         self._open_kind: str | None = None  # "text"/"thinking" while a streamed line is unfinished
 
-    def step(self, event: StepEvent) -> None:
+    def step(self, event: StepEvent, show_thinking: bool = True) -> None:
         """Print one streamed delta; thinking text dim, or not at all when hidden."""
         if self.json_lines:
             return
-        if event.thinking and self.show_thinking:
+        if event.thinking and show_thinking:
             self._stream(event.thinking, "thinking")
         if event.text:
             self._stream(event.text, "text")
