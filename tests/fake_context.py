@@ -259,7 +259,19 @@ class FakeContextManager:
     # -- the rest ---------------------------------------------------------------------------------
 
     def verify(self, num_tokens: int) -> FidelityReport:
-        return FidelityReport(self.mode, 0.001, True, 5, 0.02, num_tokens, num_tokens, 10, 0, 2)
+        return FidelityReport(
+            mode=self.mode,
+            kl_divergence=0.001,
+            top1_agree=True,
+            top5_overlap=5,
+            max_logit_diff=0.02,
+            greedy_agree=num_tokens,
+            greedy_tokens=num_tokens,
+            top1_rate=1.0,
+            reused_tokens=10,
+            repositioned_tokens=0,
+            computed_tokens=2,
+        )
 
     def stats(self) -> CacheStats:
         used = sum(c.info.num_blocks for c in self._chunks.values())

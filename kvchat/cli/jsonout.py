@@ -32,7 +32,7 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
     - stats: `stats` with `num_blocks`, `num_used`, `num_pinned`, `num_cached`, `num_free`,
       `block_size`, `bytes_total`, `bytes_per_block`, `hit_tokens`, `lookup_tokens`, `hit_rate`.
     - verify: `fidelity` with `mode`, `kl_divergence`, `top1_agree`, `top5_overlap`,
-      `max_logit_diff`, `greedy_agree`, `greedy_tokens`, `reused_tokens`, `repositioned_tokens`,
+      `max_logit_diff`, `greedy_agree`, `greedy_tokens`, `top1_rate`, `reused_tokens`, `repositioned_tokens`,
       `computed_tokens`.
     - set: `settings` ({"table.key": value}) when listing; `key` and `value` when changing one.
     - mode: `mode`. save, load: `path`, `num_chunks`. clear, reset: `message`.

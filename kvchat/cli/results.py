@@ -14,7 +14,7 @@ from kvchat.cli.registry import Command
 class Inference:
     """A generation to run: the runner consumes the stream, the UI shows it as it comes."""
 
-    stream: Iterator[StepEvent | InferenceResult]
+    stream: Iterator[StepEvent | InferenceResult]  # a generator: the runner throws Ctrl-C into it
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from enum import Enum
 
 from kvchat.chunks.types import InferenceResult, StepEvent
@@ -48,6 +48,7 @@ def consume(
     answers with its (cancelled) result; Ctrl-C while it computes is caught by the generator itself,
     which then yields that result next.
     """
+    assert isinstance(stream, Generator), "inference streams are generators: Ctrl-C is thrown into them"
     try:
         for item in stream:
             if isinstance(item, InferenceResult):
@@ -57,7 +58,7 @@ def consume(
             except KeyboardInterrupt:
                 return _drain(stream.throw(KeyboardInterrupt()), stream)
     finally:
-        stream.close()  # type: ignore[attr-defined]  # generators: run their finally now, not at GC
+        stream.close()  # run the generator's finally now, not at garbage collection
     raise KvchatError("the inference ended without a result")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from rich.console import Console, RenderableType
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -46,7 +46,7 @@ class UI:
         err_file: IO[str] | None = None,
     ) -> None:
         # color_system=None strips every escape code, styles included, not just colors.
-        system = "auto" if color else None
+        system: Literal["auto"] | None = "auto" if color else None
         self.console = Console(file=file, theme=THEME, color_system=system, highlight=False)
         self.err_console = Console(
             file=err_file, stderr=err_file is None, theme=THEME, color_system=system, highlight=False

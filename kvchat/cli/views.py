@@ -144,10 +144,11 @@ def fidelity_table(report: FidelityReport) -> RenderableType:
     table = Table.grid(padding=(0, 2))
     table.add_row("mode", f"{report.mode} vs full recompute")
     table.add_row("KL divergence", f"{report.kl_divergence:.3g}")
-    table.add_row("top-1 agrees", "yes" if report.top1_agree else "no")
+    table.add_row("next token", "same top-1" if report.top1_agree else "different top-1")
     table.add_row("top-5 overlap", f"{report.top5_overlap} of 5")
     table.add_row("max logit diff", f"{report.max_logit_diff:.3g}")
-    table.add_row("greedy agrees", f"{report.greedy_agree} of {report.greedy_tokens} tokens")
+    table.add_row("greedy agrees", f"{report.greedy_agree} of {report.greedy_tokens} leading tokens")
+    table.add_row("top-1 rate", f"{report.top1_rate:.0%} of {report.greedy_tokens} positions")
     table.add_row(
         "tokens",
         f"{report.reused_tokens} reused · {report.repositioned_tokens} repositioned · "
