@@ -31,6 +31,7 @@ from kvchat.chunks.types import (
 from kvchat.cli.commands import Shell
 from kvchat.cli.runner import Status, run_line
 from kvchat.cli.ui import UI
+from kvchat.config import load_settings
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import ChunkError, StateFileError
 
@@ -55,7 +56,7 @@ def isolated_user_dirs(tmp_path, monkeypatch):
     for var in ("HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_DATA_HOME"):
         (tmp_path / var).mkdir(exist_ok=True)
         monkeypatch.setenv(var, str(tmp_path / var))
-    for var in ("NO_COLOR", "FORCE_COLOR"):
+    for var in ("NO_COLOR", "FORCE_COLOR", "KVCHAT_CONFIG"):
         monkeypatch.delenv(var, raising=False)
     return tmp_path
 
@@ -315,8 +316,6 @@ class Harness:
 def make_harness(
     responses: list[str | Response] | None = None, *, json_lines: bool = False, overrides: dict | None = None
 ) -> Harness:
-    from kvchat.config import load_settings
-
     ctx = FakeContextManager(responses)
     out = io.StringIO()
     ui = UI(color=False, json_lines=json_lines, file=out, err_file=out)

@@ -94,7 +94,7 @@ def test_flags_become_setting_overrides():
     result, factory = invoke(args, stdin="hello\n")
     assert result.exit_code == 0, result.output
     values = setting_values(factory.settings)
-    assert values["model.name"] == "some/model"
+    assert values["model.model"] == "some/model"
     assert values["sampling.temperature"] == 0.5 and values["sampling.top_k"] == 20
     assert values["reuse.mode"] == "repair" and values["cache.block_size"] == 32
     assert values["cache.kv_memory_mb"] == 64
@@ -109,7 +109,7 @@ def test_run_file_takes_the_options_before_or_after_it(tmp_path, before_run):
     args = [*flags, "run", str(script)] if before_run else ["run", str(script), *flags]
     result, factory = invoke(args)
     assert result.exit_code == 0, result.output
-    assert setting_values(factory.settings)["model.name"] == "other/model"
+    assert setting_values(factory.settings)["model.model"] == "other/model"
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [o["cmd"] for o in lines] == ["context", "chat"]
     assert lines[0]["chunk"]["text"] == "Some text."
@@ -122,7 +122,7 @@ def test_run_flags_win_over_the_same_flags_before_run(tmp_path):
     result, factory = invoke([*args, "--temperature", "0"])
     assert result.exit_code == 0
     values = setting_values(factory.settings)
-    assert values["model.name"] == "second" and values["sampling.temperature"] == 0.0
+    assert values["model.model"] == "second" and values["sampling.temperature"] == 0.0
     assert json.loads(result.stdout)["cmd"] == "stats"  # --json before `run` still counts
 
 
@@ -160,6 +160,16 @@ def test_a_config_file_is_read_and_flags_beat_it(tmp_path):
     assert result.exit_code == 0, result.output
     values = setting_values(factory.settings)
     assert values["sampling.temperature"] == 0.3 and values["sampling.top_k"] == 7
+
+
+def test_the_user_config_file_is_read_and_flags_beat_it(tmp_path):
+    user_file = tmp_path / "XDG_CONFIG_HOME" / "kvchat" / "config.toml"  # where the fixture points
+    user_file.parent.mkdir(parents=True)
+    user_file.write_text('[ui]\njson = true\n[model]\nmodel = "from/user-file"\n', encoding="utf-8")
+    result, factory = invoke(["--model", "from/flag"], stdin="/mode\n")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"cmd": "mode", "ok": True, "error": None, "line": 1, "mode": "exact"}
+    assert setting_values(factory.settings)["model.model"] == "from/flag"
 
 
 def test_no_color_means_no_escape_codes_even_on_a_forced_terminal():

@@ -78,6 +78,8 @@ def test_show_stats_verify_and_mode():
     h.run("/stats")
     out = h.take()
     assert "hit rate" in out and "KiB" in out
+    h.run("/verify")
+    assert "16 of 16" in h.take()  # reuse.verify_tokens
     h.run("/verify 8")
     out = h.take()
     assert "KL divergence" in out and "8 of 8" in out
@@ -101,6 +103,8 @@ def test_set_changes_the_next_inference_and_lists_settings():
     h.run("/set reuse.mode reposition")
     assert h.ctx.mode is ReuseMode.REPOSITION
     h.take()
+    h.run("/set top_k 5")  # a key unique across tables needs no table
+    assert "sampling.top_k = 5" in h.take()
     h.run("/set cache.block_size 32")
     assert "takes effect when kvchat starts again" in h.take()
 

@@ -20,6 +20,7 @@ from kvchat.cli.commands import Shell
 from kvchat.cli.repl import make_prompt_session, run_interactive
 from kvchat.cli.script import run_script
 from kvchat.cli.ui import UI
+from kvchat.config import load_settings
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
@@ -34,20 +35,21 @@ EXIT_OK, EXIT_FAILED, EXIT_CANNOT_START = 0, 1, 2
 
 @dataclass(frozen=True)
 class Flag:
-    """One option both `kvchat` and `kvchat run` take; `key` is the setting it overrides, if any."""
+    """One option both `kvchat` and `kvchat run` take; `key` is the setting (`table.key`) it overrides."""
 
     name: str
     type: type
     help: str
     key: str | None = None
+    decls: tuple[str, ...] = ()  # option names when not just --name
 
 
 FLAGS = (
-    Flag("model", str, "Model: alias, hub id, local folder or GGUF file.", "model.name"),
-    Flag("dtype", str, "Weights dtype (e.g. bfloat16, float32).", "model.dtype"),
-    Flag("device", str, "Device to run on (cpu, cuda).", "model.device"),
-    Flag("threads", int, "CPU threads for torch.", "model.threads"),
-    Flag("kv_memory", int, "KV cache memory in MB.", "cache.kv_memory_mb"),
+    Flag("model", str, "Model: an alias, a hub id (org/name), a local folder or a GGUF file.", "model.model"),
+    Flag("dtype", str, "Weights dtype: auto, bf16, fp32 or fp16.", "model.dtype"),
+    Flag("device", str, "auto, cpu, cuda or cuda:N.", "model.device"),
+    Flag("threads", int, "CPU threads for torch (0: automatic).", "model.threads"),
+    Flag("kv_memory", int, "Memory for the paged KV cache, in MiB.", "cache.kv_memory_mb"),
     Flag("block_size", int, "Tokens per KV block.", "cache.block_size"),
     Flag("temperature", float, "Sampling temperature (0: greedy).", "sampling.temperature"),
     Flag("top_k", int, "Top-k sampling (0: off).", "sampling.top_k"),
@@ -56,10 +58,16 @@ FLAGS = (
     Flag("max_tokens", int, "Most tokens one answer may have.", "sampling.max_tokens"),
     Flag("seed", int, "Random seed for sampling.", "sampling.seed"),
     Flag("reuse", str, "How cached chunks are reused: exact, reposition or repair.", "reuse.mode"),
-    Flag("config", Path, "A TOML settings file to use instead of the user's."),
-    Flag("json", bool, "Print one JSON object per command."),
-    Flag("no_color", bool, "No colors or styles at all."),
-    Flag("debug", bool, "Show tracebacks."),
+    Flag("config", Path, "A TOML settings file instead of ~/.config/kvchat/config.toml."),
+    Flag("json", bool, "Print one JSON object per command.", "ui.json"),
+    Flag(
+        "color",
+        bool,
+        "Colors and styles; --no-color prints no escape codes.",
+        "ui.color",
+        ("--color/--no-color",),
+    ),
+    Flag("debug", bool, "Show tracebacks.", "ui.debug"),
 )
 
 
@@ -81,12 +89,21 @@ def with_flags(func: Callable[..., int | None]) -> Callable[..., None]:
 
 
 def _flag_parameter(flag: Flag) -> inspect.Parameter:
-    option = typer.Option("--" + flag.name.replace("_", "-"), help=flag.help, show_default=False)
-    kind = bool if flag.type is bool else flag.type | None
-    default = False if flag.type is bool else None
-    return inspect.Parameter(
-        flag.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, option]
-    )
+    # Every flag defaults to None, "not given", so only the flags a user typed override the settings.
+    decls = flag.decls or ("--" + flag.name.replace("_", "-"),)
+    option = typer.Option(*decls, help=flag.help, show_default=False)
+    annotation = Annotated[flag.type | None, option]
+    return inspect.Parameter(flag.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+
+
+def overrides(flags: dict[str, Any]) -> dict[str, dict[str, object]]:
+    """The flags given, as load_settings' override layer: `{"sampling": {"temperature": 0.7}}`."""
+    layer: dict[str, dict[str, object]] = {}
+    for flag in FLAGS:
+        if flag.key and flags.get(flag.name) is not None:
+            table, _, name = flag.key.partition(".")
+            layer.setdefault(table, {})[name] = flags[flag.name]
+    return layer
 
 
 def make_app(open_session: SessionFactory | None = None) -> typer.Typer:
@@ -125,6 +142,7 @@ def make_app(open_session: SessionFactory | None = None) -> typer.Typer:
             Path,
             typer.Argument(
                 help="A file of commands, one per line; # comments, <<< ... >>> blocks.",
+                metavar="FILE",
                 exists=True,
                 dir_okay=False,
             ),
@@ -132,7 +150,7 @@ def make_app(open_session: SessionFactory | None = None) -> typer.Typer:
         flags: dict[str, Any] | None = None,
     ) -> int:
         """Run the commands in FILE, then exit."""
-        given = {k: v for k, v in (flags or {}).items() if v is not None and v is not False}
+        given = {name: value for name, value in (flags or {}).items() if value is not None}
         return session_main({**(ctx.obj or {}), **given}, file, factory)
 
     return app
@@ -140,11 +158,17 @@ def make_app(open_session: SessionFactory | None = None) -> typer.Typer:
 
 def session_main(flags: dict[str, Any], script: Path | None, open_session: SessionFactory) -> int:
     """Load settings and the model, then run the script, the piped stdin or the REPL."""
+    # Until the settings are read, the flags alone decide how an error looks.
     ui = UI(
-        color=not flags.get("no_color"), json_lines=bool(flags.get("json")), debug=bool(flags.get("debug"))
+        color=flags.get("color") is not False,
+        json_lines=bool(flags.get("json")),
+        debug=bool(flags.get("debug")),
     )
     try:
-        shell = _open_shell(flags, open_session, ui)
+        settings = load_settings(flags.get("config"), overrides(flags))
+        ui = UI(color=settings.ui.color, json_lines=settings.ui.json, debug=settings.ui.debug)
+        with ui.progress() as progress:
+            shell = Shell(open_session(settings, progress), settings)
     except (KvchatError, OSError) as exc:
         ui.fatal(str(exc))
         return EXIT_CANNOT_START
@@ -156,27 +180,19 @@ def session_main(flags: dict[str, Any], script: Path | None, open_session: Sessi
         ui.exception(exc)
         return EXIT_CANNOT_START
     try:
-        if script is not None:
-            with script.open("rb") as stream:
-                return run_script(shell, ui, stream)
-        if _stdin_is_terminal():
-            session = make_prompt_session(
-                shell, _history_file(shell.settings), color=not flags.get("no_color")
-            )
-            return run_interactive(shell, ui, session)
-        return run_script(shell, ui, _stdin_bytes())
+        return _run(shell, ui, script)
     except KeyboardInterrupt:
         return EXIT_FAILED  # Ctrl-C between commands of a script: the rest did not run
 
 
-def _open_shell(flags: dict[str, Any], open_session: SessionFactory, ui: UI) -> Shell:
-    from kvchat.config import load_settings
-
-    overrides = {f.key: flags[f.name] for f in FLAGS if f.key and flags.get(f.name) is not None}
-    settings = load_settings(flags.get("config"), overrides)
-    with ui.progress() as progress:
-        ctx = open_session(settings, progress)
-    return Shell(ctx, settings)
+def _run(shell: Shell, ui: UI, script: Path | None) -> int:
+    if script is not None:
+        with script.open("rb") as stream:
+            return run_script(shell, ui, stream)
+    if _stdin_is_terminal():
+        history = _history_file(shell.settings)
+        return run_interactive(shell, ui, make_prompt_session(shell, history, color=shell.settings.ui.color))
+    return run_script(shell, ui, _stdin_bytes())
 
 
 def _open_real_session(settings: Settings, progress: ProgressCallback | None) -> ContextManager:

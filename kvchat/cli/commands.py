@@ -21,15 +21,15 @@ from kvchat.cli.results import (
     Quit,
     SettingsView,
 )
-from kvchat.cli.settings import sampling_params, setting_values, with_setting
+from kvchat.cli.settings import sampling_params, setting_key, setting_values, with_setting
 from kvchat.errors import CommandError
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
     from kvchat.config import Settings
 
-DEFAULT_VERIFY_TOKENS = 16
-LIVE_TABLES = ("sampling", "reuse", "ui")  # the model and cache tables only apply at start
+# Settings the session reads as it goes; the others are read once, when kvchat starts.
+LIVE_SETTINGS = ("sampling.", "reuse.mode", "reuse.verify_tokens", "ui.show_thinking")
 MODES = ", ".join(mode.value for mode in ReuseMode)
 
 
@@ -123,15 +123,16 @@ class Shell:
     def set(self, arg: str) -> SettingsView | Notice:
         if not arg:
             return SettingsView(setting_values(self.settings))
-        key, _, value = arg.partition(" ")
+        typed_key, _, value = arg.partition(" ")
         if not value.strip():
             raise CommandError("missing argument: /set KEY VALUE")
+        key = setting_key(typed_key)
         settings = with_setting(self.settings, key, value.strip())
         new_value = setting_values(settings)[key]
         if key == "reuse.mode":
             self.ctx.mode = ReuseMode(new_value)
         self.settings = settings
-        later = "" if key.split(".")[0] in LIVE_TABLES else " (takes effect when kvchat starts again)"
+        later = "" if key.startswith(LIVE_SETTINGS) else " (takes effect when kvchat starts again)"
         return Notice(f"{key} = {new_value}{later}", {"key": key, "value": new_value})
 
     @command(
@@ -154,7 +155,7 @@ class Shell:
         "verify", "Compare the reuse mode with a full recompute over N tokens", usage="[N]", arg=ArgKind.TEXT
     )
     def verify(self, arg: str) -> FidelityReport:
-        return self.ctx.verify(_count(arg) if arg else DEFAULT_VERIFY_TOKENS)
+        return self.ctx.verify(_count(arg) if arg else self.settings.reuse.verify_tokens)
 
     @command("save", "Save chunks, outputs and their KV to FILE", usage="FILE", arg=ArgKind.PATH)
     def save(self, arg: str) -> Notice:

@@ -16,6 +16,11 @@ def setting_values(settings: Settings) -> dict[str, Any]:
     return _flatten(config.settings_as_dict(settings))
 
 
+def setting_key(key: str) -> str:
+    """`key` as `table.key` (a bare key unique across tables is accepted); ConfigError when unknown."""
+    return ".".join(config.resolve_key(key))
+
+
 def with_setting(settings: Settings, key: str, value: str) -> Settings:
     """`settings` with `key` parsed from `value`; ConfigError for an unknown key or a bad value."""
     return config.replace_setting(settings, key, value)
