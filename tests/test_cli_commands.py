@@ -197,7 +197,7 @@ def test_delete_output():
         ("/delete-output 3", "no output 3"),
         ("/show 42", "no chunk '42'"),
         ("/drop", "missing argument: /drop N|ID"),
-        ("/mode sideways", "unknown mode 'sideways'; choose one of exact, reposition, repair"),
+        ("/mode sideways", "must be one of exact, reposition, repair"),
         ("/set sampling.temperature", "missing argument: /set KEY VALUE"),
         ("/set sampling.temperature hot", ""),
         ("/set no.such.key 1", ""),

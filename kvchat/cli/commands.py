@@ -21,7 +21,8 @@ from kvchat.cli.results import (
     Quit,
     SettingsView,
 )
-from kvchat.cli.settings import sampling_params, setting_key, setting_values, with_setting
+from kvchat.cli.settings import setting_key, setting_values
+from kvchat.config import replace_setting
 from kvchat.errors import CommandError
 
 if TYPE_CHECKING:
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 
 # Settings the session reads as it goes; the others are read once, when kvchat starts.
 LIVE_SETTINGS = ("sampling.", "reuse.mode", "reuse.verify_tokens", "ui.show_thinking")
-MODES = ", ".join(mode.value for mode in ReuseMode)
 
 
 class Shell:
@@ -57,7 +57,7 @@ class Shell:
     def chat(self, text: str) -> Inference:
         if not text.strip():
             raise CommandError("empty message")
-        return Inference(self.ctx.chat(text.strip(), sampling_params(self.settings)))
+        return Inference(self.ctx.chat(text.strip(), self.settings.sampling))
 
     @command("system", "Set the system prompt", usage="TEXT", arg=ArgKind.TEXT)
     def system(self, arg: str) -> ChunkChange:
@@ -67,7 +67,7 @@ class Shell:
         "context",
         "Add a context chunk: text, or @FILE for a file's text",
         usage="TEXT|@FILE",
-        arg=ArgKind.TEXT,
+        arg=ArgKind.TEXT_OR_FILE,
     )
     def context(self, arg: str) -> ChunkChange:
         text = _read_text(Path(arg[1:]).expanduser()) if arg.startswith("@") else arg
@@ -79,7 +79,7 @@ class Shell:
 
     @command("infer", "Generate from the current context and query")
     def infer(self, arg: str) -> Inference:
-        return Inference(self.ctx.infer(sampling_params(self.settings)))
+        return Inference(self.ctx.infer(self.settings.sampling))
 
     @command("output", "List the retained outputs")
     def output(self, arg: str) -> OutputList:
@@ -127,7 +127,7 @@ class Shell:
         if not value.strip():
             raise CommandError("missing argument: /set KEY VALUE")
         key = setting_key(typed_key)
-        settings = with_setting(self.settings, key, value.strip())
+        settings = replace_setting(self.settings, key, value.strip())
         new_value = setting_values(settings)[key]
         if key == "reuse.mode":
             self.ctx.mode = ReuseMode(new_value)
@@ -143,12 +143,7 @@ class Shell:
     )
     def mode(self, arg: str) -> Notice:
         if arg:
-            try:
-                mode = ReuseMode(arg)
-            except ValueError:
-                raise CommandError(f"unknown mode {arg!r}; choose one of {MODES}") from None
-            self.settings = with_setting(self.settings, "reuse.mode", mode.value)
-            self.ctx.mode = mode
+            self.set(f"reuse.mode {arg}")  # one path keeps the setting and the context manager agreeing
         return Notice(f"reuse mode: {self.ctx.mode}", {"mode": str(self.ctx.mode)})
 
     @command(

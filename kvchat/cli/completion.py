@@ -34,7 +34,7 @@ class ShellCompleter(Completer):
             kind = self.shell.commands.get(name).arg
         except KvchatError:
             return
-        if kind is ArgKind.PATH or (name == "context" and arg.startswith("@")):
+        if kind is ArgKind.PATH or (kind is ArgKind.TEXT_OR_FILE and arg.startswith("@")):
             yield from self._path(arg.removeprefix("@"), complete_event)
         elif " " not in arg:
             yield from _matching(self._candidates(kind), arg)

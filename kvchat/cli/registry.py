@@ -25,6 +25,7 @@ class ArgKind(StrEnum):
 
     NONE = "none"
     TEXT = "text"
+    TEXT_OR_FILE = "text-or-file"  # text, or @PATH for a file's text
     OUTPUT = "output"  # a retained output number
     CHUNK = "chunk"  # a chunk number or id prefix
     SETTING = "setting"

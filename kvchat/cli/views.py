@@ -26,12 +26,14 @@ def preview(text: str, width: int = PREVIEW_CHARS) -> str:
 
 
 def human_bytes(num_bytes: int) -> str:
-    size = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    size = num_bytes / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
         size /= 1024
-    raise AssertionError("unreachable")
+    return f"{size:.1f} GiB"
 
 
 def span(positions: range | None) -> str:
