@@ -89,8 +89,9 @@ class FidelityReport:
     top1_agree: bool
     top5_overlap: int  # of 5
     max_logit_diff: float
-    greedy_agree: int  # greedy tokens equal before the first difference
-    greedy_tokens: int  # N compared
+    greedy_agree: int  # leading greedy tokens equal before the first difference
+    greedy_tokens: int  # positions compared (N, or fewer when the answer ended)
+    top1_rate: float  # share of compared positions whose top-1 token agrees (teacher-forced)
     reused_tokens: int
     repositioned_tokens: int
     computed_tokens: int

@@ -1,0 +1,108 @@
+"""Decode speed, side by side in one run: kvchat's paged loop, kvchat with a contiguous cache, and
+transformers' model.generate, on the same model, dtype, threads and prompt.
+
+    python scripts/bench_decode.py --dtype bf16 --contexts 512 4096 --tokens 64 --repeats 5
+
+Each variant prefills the prompt once, then decodes `--tokens` greedy tokens `--repeats` times from
+that same prefix; the table shows the median decode tokens/s and its ratio to model.generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from kvchat.engine.detokenizer import StreamDetokenizer
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import generate
+from kvchat.engine.sampling import SamplingParams
+from kvchat.models.packaged import ensure_converted
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def prompt_of(tokenizer, num_tokens: int) -> list[int]:
+    text = "The lighthouse keeper wrote in his log about the storm, the ships and the sea. " * 2000
+    return tokenizer.encode(text)[:num_tokens]
+
+
+def bench_generate(model, prompt: list[int], tokens: int, repeats: int) -> list[float]:
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+        config = copy.deepcopy(model.generation_config)
+        config.eos_token_id, config.do_sample = None, False
+        rates = []
+        for _ in range(repeats):
+            for n in (1, tokens + 1):  # the difference is the decode of `tokens` tokens
+                start = time.perf_counter()
+                model.generate(
+                    torch.tensor([prompt]),
+                    past_key_values=copy.deepcopy(cache),
+                    generation_config=config,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    pad_token_id=0,
+                )
+                elapsed = time.perf_counter() - start
+                if n == 1:
+                    first = elapsed
+            rates.append(tokens / (elapsed - first))
+    return rates
+
+
+def bench_kvchat(model, tokenizer, prompt: list[int], tokens: int, repeats: int, paged: bool) -> list[float]:
+    engine = Engine(model, kv_memory_bytes=1 << 30, block_size=16, prefill_chunk=512, paged=paged)
+    seq = engine.start(prompt)
+    engine.compute(seq, until=len(prompt) - 1)
+    rates = []
+    params = SamplingParams(max_tokens=tokens + 1)
+    for _ in range(repeats):
+        if paged:
+            run = engine.start(prompt)  # shares the prefix blocks, computes the last token
+        else:
+            del seq.token_ids[len(prompt) :]  # the contiguous cache keeps the prefix rows
+            seq.num_computed = len(prompt) - 1
+            run = seq
+        steps = list(generate(engine, run, params, frozenset(), StreamDetokenizer(tokenizer)))
+        rates.append(steps[-1].stats.decode_tok_s)
+        if paged:
+            engine.free(run)
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a local model folder (default: the packaged SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    folder = args.model or ensure_converted()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype], attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    print(f"model={folder} dtype={args.dtype} threads={args.threads} tokens={args.tokens} repeats={args.repeats}")
+    print(f"{'context':>8} {'variant':<20} {'median tok/s':>12} {'min':>7} {'max':>7} {'vs generate':>11}")
+    for context in args.contexts:
+        prompt = prompt_of(tokenizer, context)
+        results = {
+            "model.generate": bench_generate(model, prompt, args.tokens, args.repeats),
+            "kvchat contiguous": bench_kvchat(model, tokenizer, prompt, args.tokens, args.repeats, paged=False),
+            "kvchat paged": bench_kvchat(model, tokenizer, prompt, args.tokens, args.repeats, paged=True),
+        }
+        base = statistics.median(results["model.generate"])
+        for name, rates in results.items():
+            median = statistics.median(rates)
+            print(f"{context:>8} {name:<20} {median:>12.1f} {min(rates):>7.1f} {max(rates):>7.1f} {median / base:>10.2f}x")
+
+
+if __name__ == "__main__":
+    main()

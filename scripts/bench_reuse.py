@@ -1,0 +1,134 @@
+"""Time to first token and fidelity of the reuse modes, side by side in one run, on a fixed set of
+compositions over the real model:
+
+  reorder  - passages (about --context-tokens in all) answered once, then asked about in another order;
+  reuse    - an answer kept as an output, then reused as context after another system prompt.
+
+For each composition and mode, a fresh session answers the first arrangement (so every chunk has KV
+kept), then the second: its time to first token, then `verify` against a full recompute: KL of the
+next-token distribution, top-1 agreement over --verify-tokens teacher-forced positions, and the
+leading greedy tokens that agree.
+
+    python scripts/bench_reuse.py --dtype bf16 --context-tokens 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import random
+import statistics
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvchat.chunks.compose import RepairPolicy
+from kvchat.chunks.context import ContextManager
+from kvchat.chunks.template import ChatFormat
+from kvchat.chunks.types import InferenceResult, ReuseMode
+from kvchat.engine.engine import Engine
+from kvchat.engine.sampling import SamplingParams
+from kvchat.models.packaged import ensure_converted
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SOURCES = ["argparse", "subprocess", "logging", "pickle", "difflib", "textwrap", "unittest", "collections", "os", "json"]
+ONE_TOKEN = SamplingParams(max_tokens=1)
+
+
+def _module_text(module) -> str:
+    docs = [module.__doc__ or ""] + [
+        inspect.getdoc(getattr(module, name)) or "" for name in sorted(dir(module)) if not name.startswith("_")
+    ]
+    return " ".join(" ".join(docs).split())
+
+
+def passages(tokenizer, total_tokens: int, count: int = 8) -> list[str]:
+    """Real English text: the documentation of standard-library modules, cut to equal token counts."""
+    texts = [_module_text(importlib.import_module(m)) for m in SOURCES]
+    per = total_tokens // count
+    out = []
+    for text in texts:
+        ids = tokenizer.encode(text)
+        if len(ids) >= per:
+            out.append(tokenizer.decode(ids[:per]))
+        if len(out) == count:
+            return out
+    raise SystemExit(f"not enough text for {count} passages of {per} tokens")
+
+
+def last(stream) -> InferenceResult:
+    *_, result = stream
+    return result
+
+
+def reorder(cm: ContextManager, docs: list[str], seed: int) -> None:
+    cm.set_system("You are a careful assistant. Answer from the passages.")
+    ids = [cm.add_context(d).chunk_id for d in docs]
+    cm.set_query("Which module do the passages describe first?")
+    last(cm.infer(ONE_TOKEN))
+    random.Random(seed).shuffle(ids)
+    cm.middle = ids
+    cm.set_query("Summarise the passage about logging in one sentence.")
+
+
+def reuse(cm: ContextManager, docs: list[str], seed: int) -> None:
+    cm.set_system("You are a helpful assistant.")
+    for d in docs:
+        cm.add_context(d)
+    cm.set_query("Explain what these passages describe.")
+    last(cm.infer(SamplingParams(max_tokens=48)))
+    cm.clear()
+    cm.set_system(f"You are a reviewer (session {seed}). Be brief and precise.")
+    cm.use_output(1)
+    for d in docs[seed % 3 :: 3]:
+        cm.add_context(d)
+    cm.set_query("Is the explanation above accurate?")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a local model folder (default: the packaged SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--context-tokens", type=int, default=2000)
+    parser.add_argument("--verify-tokens", type=int, default=16)
+    parser.add_argument("--seeds", type=int, default=3, help="compositions of each kind")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    folder = args.model or ensure_converted()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype], attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    docs = passages(tokenizer, args.context_tokens)
+    rows: dict[ReuseMode, list] = {mode: [] for mode in ReuseMode}
+    for kind, setup in (("reorder", reorder), ("reuse", reuse)):
+        for seed in range(args.seeds):
+            for mode in ReuseMode:
+                engine = Engine(model, kv_memory_bytes=1 << 30, block_size=16)
+                cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id}))
+                cm.repair = RepairPolicy(share=0.15, min_tokens=4)
+                setup(cm, docs, seed)
+                cm.mode = mode
+                result = last(cm.infer(ONE_TOKEN))
+                report = cm.verify(args.verify_tokens)
+                rows[mode].append((kind, result, report))
+                print(
+                    f"{kind:<8} seed={seed} {mode.value:<10} ttft={result.ttft_s:7.3f}s "
+                    f"reused={result.reused_tokens:5d} moved={result.repositioned_tokens:5d} "
+                    f"computed={result.computed_tokens:5d} kl={report.kl_divergence:.4f} "
+                    f"top1={report.top1_rate:.2f} greedy={report.greedy_agree}/{report.greedy_tokens}",
+                    flush=True,
+                )
+    print(f"\nmodel={folder} dtype={args.dtype} threads={args.threads} context~{args.context_tokens} tokens")
+    print(f"{'mode':<11} {'median TTFT':>11} {'vs exact':>9} {'median KL':>10} {'top-1 agree':>12} {'greedy agree':>13}")
+    exact_ttft = statistics.median(r.ttft_s for _, r, _ in rows[ReuseMode.EXACT])
+    for mode, data in rows.items():
+        ttft = statistics.median(r.ttft_s for _, r, _ in data)
+        kl = statistics.median(v.kl_divergence for _, _, v in data)
+        top1 = statistics.mean(v.top1_rate for _, _, v in data)
+        greedy = statistics.mean(v.greedy_agree / v.greedy_tokens for _, _, v in data)
+        print(f"{mode.value:<11} {ttft:>10.3f}s {exact_ttft / ttft:>8.1f}x {kl:>10.4f} {top1:>12.2f} {greedy:>13.2f}")
+
+
+if __name__ == "__main__":
+    main()
