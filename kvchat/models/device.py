@@ -1,0 +1,95 @@
+"""Device, dtype and CPU thread choices."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from kvchat.errors import ConfigError
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+_CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+_CPUINFO = Path("/proc/cpuinfo")
+
+
+def choose_device(name: str) -> torch.device:
+    """`auto` is cuda when available, else cpu; otherwise the named device, which must exist."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError(f"unknown device {name!r}: {exc}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} asked for, but torch sees no CUDA GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
+def choose_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The weights dtype for `name` (auto|bf16|fp32|fp16) on `device`.
+
+    auto is bf16 where the hardware computes it natively (CUDA with bf16, a CPU with AVX512_BF16 or
+    AMX), else fp32. fp16 on a CPU is slow, so only an explicit request gets it.
+    """
+    if name in DTYPES:
+        return DTYPES[name]
+    if name != "auto":
+        raise ConfigError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu" and cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bf16 instructions (torch's capability string stops at "AVX512")."""
+    return any(flag in _cpu_flags() for flag in _CPU_BF16_FLAGS)
+
+
+def apply_threads(num_threads: int) -> int:
+    """Set torch's CPU thread count (0 = automatic) and return the count used."""
+    if num_threads < 0:
+        raise ConfigError(f"threads must be >= 0, not {num_threads}")
+    # SmolLM2 decode on 2 cores: a 2nd thread is 1.5x faster when idle, 5-10x slower when another process
+    # wants a core (scripts/bench_threads.py). Rule: all physical cores but one, at least 1.
+    count = num_threads or max(1, num_physical_cores() - 1)
+    torch.set_num_threads(count)
+    return count
+
+
+def num_physical_cores() -> int:
+    """Physical cores this process may run on (hyper-threads counted once)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    cores: set[tuple[str, str]] = set()
+    processor, physical_id = None, "0"
+    for line in _read_cpuinfo().splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "processor":
+            processor, physical_id = int(value), "0"
+        elif key == "physical id":
+            physical_id = value
+        elif key == "core id" and (not allowed or processor in allowed):
+            cores.add((physical_id, value))
+    return len(cores) or len(allowed) or os.cpu_count() or 1
+
+
+def _cpu_flags() -> set[str]:
+    for line in _read_cpuinfo().splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def _read_cpuinfo() -> str:
+    try:
+        return _CPUINFO.read_text()
+    except OSError:
+        return ""

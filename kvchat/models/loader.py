@@ -1,0 +1,173 @@
+"""Load a model and its tokenizer from any source, ready for inference."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import huggingface_hub
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from kvchat.config import ModelSettings
+from kvchat.errors import KvchatError, ModelLoadError
+from kvchat.models.device import apply_threads, choose_device, choose_dtype
+from kvchat.models.packaged import ensure_converted
+from kvchat.models.progress import ProgressCallback, quiet_transformers, report
+from kvchat.models.sources import ModelSource, resolve_model
+
+__all__ = [
+    "LoadedModel",
+    "ModelSource",
+    "ProgressCallback",
+    "apply_threads",
+    "choose_dtype",
+    "compute_fingerprint",
+    "load_model",
+    "resolve_model",
+]
+
+# Config entries that change with the machine or the load options, not with the model.
+_VOLATILE_CONFIG_KEYS = frozenset({"dtype", "torch_dtype", "transformers_version"})
+_TRUE_WORDS = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model in eval mode on its device, its tokenizer, and what identifies them."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    model_id: str
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: frozenset[int]
+    fingerprint: str
+
+
+def load_model(settings: ModelSettings, progress: ProgressCallback | None = None) -> LoadedModel:
+    """Resolve `settings.model`, load it in the chosen dtype onto the chosen device, set CPU threads."""
+    source = resolve_model(settings.model)
+    device = choose_device(settings.device)
+    dtype = choose_dtype(settings.dtype, device)
+    apply_threads(settings.threads)
+    folder = ensure_converted(progress) if source.kind == "packaged" else None
+    description = f"loading {source.model_id}"
+    report(progress, description, 0, 1)
+    with quiet_transformers():
+        if folder is not None:
+            model, tokenizer = _load_pretrained(str(folder), dtype, local_files_only=True)
+        elif source.kind == "local":
+            model, tokenizer = _load_pretrained(source.location, dtype, local_files_only=True)
+        elif source.kind == "gguf":
+            path = Path(source.location)
+            model, tokenizer = _load_pretrained(
+                str(path.parent), dtype, local_files_only=True, gguf_file=path.name
+            )
+        else:
+            model, tokenizer = _load_hub(source.location, dtype)
+    try:
+        model.to(device)
+    except (RuntimeError, torch.OutOfMemoryError) as exc:
+        raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
+    model.eval()
+    eos_ids = eos_token_ids(model, tokenizer)
+    if not eos_ids:
+        raise ModelLoadError(f"{source.model_id} names no end-of-sequence token; replies would never end")
+    report(progress, description, 1, 1)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=source.model_id,
+        dtype=dtype,
+        device=device,
+        eos_token_ids=eos_ids,
+        fingerprint=compute_fingerprint(source.model_id, model.config),
+    )
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The union of the tokenizer's and the generation config's end-of-sequence ids."""
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id, model.generation_config.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(token_id) for token_id in value)
+    return frozenset(ids)
+
+
+def compute_fingerprint(model_id: str, config: PretrainedConfig) -> str:
+    """A short hash of the model id and architecture config, the same for any dtype, device or path."""
+    entries = {
+        key: value
+        for key, value in config.to_dict().items()
+        if not key.startswith("_") and key not in _VOLATILE_CONFIG_KEYS
+    }
+    text = model_id + "\n" + json.dumps(entries, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _load_pretrained(
+    location: str, dtype: torch.dtype, local_files_only: bool, gguf_file: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    options: dict[str, object] = {"local_files_only": local_files_only}
+    if gguf_file is not None:
+        options["gguf_file"] = gguf_file
+    name = f"{location}/{gguf_file}" if gguf_file else location
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **options)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **options)
+    except KvchatError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"could not load {name}: {_first_line(exc)}") from exc
+    return model, tokenizer
+
+
+def _load_hub(hub_id: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load from the HF cache; download only when not cached and the hub may be reached."""
+    cached = huggingface_hub.try_to_load_from_cache(hub_id, "config.json")
+    if isinstance(cached, str):
+        return _load_pretrained(hub_id, dtype, local_files_only=True)
+    if is_offline():
+        raise ModelLoadError(_not_cached_message(hub_id, "offline mode (HF_HUB_OFFLINE) is on"))
+    # One quick request first: a download without network retries for ~45 s before failing.
+    try:
+        huggingface_hub.model_info(hub_id, timeout=10)
+    except Exception as exc:
+        raise ModelLoadError(
+            _not_cached_message(hub_id, f"the hub did not answer ({_first_line(exc)})")
+        ) from exc
+    try:
+        return _load_pretrained(hub_id, dtype, local_files_only=False)
+    except ModelLoadError as exc:
+        raise ModelLoadError(_not_cached_message(hub_id, f"downloading it failed: {exc}")) from exc
+
+
+def is_offline() -> bool:
+    """True when the Hugging Face hub must not be contacted."""
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return huggingface_hub.constants.HF_HUB_OFFLINE or any(flag.lower() in _TRUE_WORDS for flag in flags)
+
+
+def _not_cached_message(hub_id: str, reason: str) -> str:
+    return (
+        f"model {hub_id} is not in the Hugging Face cache and {reason}. Download it where there is "
+        f"network access (`hf download {hub_id}`, or `huggingface-cli download {hub_id}` with an older "
+        "huggingface_hub) and copy the cache over, or pass a local model folder with --model PATH"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

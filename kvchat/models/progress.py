@@ -1,0 +1,48 @@
+"""How model loading reports progress without knowing who displays it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Protocol, TypeVar
+
+from transformers import modeling_gguf_pytorch_utils as gguf_utils
+from transformers.utils import logging as hf_logging
+
+T = TypeVar("T")
+
+
+class ProgressCallback(Protocol):
+    """Receives progress: `completed` of `total` steps; `total` None when the length is unknown."""
+
+    def __call__(self, description: str, completed: float, total: float | None) -> None: ...
+
+
+def report(
+    progress: ProgressCallback | None, description: str, completed: float, total: float | None
+) -> None:
+    """Call `progress` if there is one."""
+    if progress is not None:
+        progress(description, completed, total)
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Hide transformers' own tqdm bars: progress goes through the callback, and the UI owns the terminal."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    # The GGUF dequantizer calls tqdm directly, ignoring the switch above.
+    original_tqdm = getattr(gguf_utils, "tqdm", None)
+    if original_tqdm is not None:
+        gguf_utils.tqdm = _no_bar
+    try:
+        yield
+    finally:
+        if original_tqdm is not None:
+            gguf_utils.tqdm = original_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _no_bar(iterable: Iterable[T], *args: object, **kwargs: object) -> Iterable[T]:
+    return iterable

@@ -1,0 +1,200 @@
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from kvchat.config import ModelSettings
+from kvchat.errors import ConfigError, ModelLoadError
+from kvchat.models import device as device_module
+from kvchat.models import packaged
+from kvchat.models.loader import LoadedModel, apply_threads, choose_dtype, load_model, resolve_model
+from kvchat.models.sources import ModelSource
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedModel:
+    # The default cache dir on purpose: the real conversion runs once per machine, not once per test run.
+    return load_model(ModelSettings(device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory, smollm2: LoadedModel) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=len(smollm2.tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = [0, 5]
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(packaged.converted_dir()).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("network access attempted")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+def test_resolve_aliases_paths_and_hub_ids(tmp_path: Path) -> None:
+    assert resolve_model("smollm2-135m") == ModelSource("packaged", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert resolve_model("qwen2.5-0.5b") == ModelSource("hub", "Qwen/Qwen2.5-0.5B-Instruct")
+    assert resolve_model("Qwen3-0.6B") == ModelSource("hub", "Qwen/Qwen3-0.6B")
+    assert resolve_model("llama-3.2-1b").location == "meta-llama/Llama-3.2-1B-Instruct"
+    assert resolve_model("org/some-model_v1.5") == ModelSource("hub", "org/some-model_v1.5")
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(str(tmp_path)) == ModelSource("local", str(tmp_path.resolve()))
+    gguf = packaged.packaged_gguf()
+    assert resolve_model(str(gguf)) == ModelSource("gguf", str(gguf))
+
+
+@pytest.mark.parametrize("spec", ["garbage!", "", "a/b/c", "../x/y", "/no/such/folder"])
+def test_resolve_garbage_lists_the_aliases(spec: str) -> None:
+    with pytest.raises(ModelLoadError, match="smollm2-135m.*qwen2.5-0.5b"):
+        resolve_model(spec)
+
+
+def test_resolve_bad_paths(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+
+
+def test_uncached_hub_model_offline_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, no_network: None
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as info:
+        load_model(ModelSettings(model="kvchat-tests/not-a-cached-model", device="cpu"))
+    message = str(info.value)
+    assert "kvchat-tests/not-a-cached-model" in message
+    assert "hf download kvchat-tests/not-a-cached-model" in message
+    assert "--model PATH" in message
+
+
+def test_uncached_hub_model_without_network_is_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unreachable(*args: object, **kwargs: object) -> None:
+        raise socket.gaierror("no network in this test")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "getaddrinfo", unreachable)
+    with pytest.raises(ModelLoadError, match="hf download kvchat-tests/not-a-cached-model"):
+        load_model(ModelSettings(model="kvchat-tests/not-a-cached-model", device="cpu"))
+
+
+def test_packaged_smollm2_converts_once_and_chats(smollm2: LoadedModel) -> None:
+    assert packaged.is_converted(packaged.converted_dir())
+    assert smollm2.model_id == packaged.HUB_ID
+    assert not smollm2.model.training
+    tokenizer = smollm2.tokenizer
+    assert "<|im_start|>" in tokenizer.chat_template
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in smollm2.eos_token_ids
+    assert tokenizer.model_max_length == smollm2.model.config.max_position_embeddings
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    input_ids = encoded["input_ids"]  # (1, T)
+    output = smollm2.model.generate(input_ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tokenizer.decode(output[0, input_ids.shape[1] :])
+
+
+def test_local_folder_loads_with_eos_union_and_dtype(tiny_folder: Path) -> None:
+    calls: list[tuple[str, float, float | None]] = []
+    loaded = load_model(
+        ModelSettings(model=str(tiny_folder), dtype="bf16", device="cpu", threads=1),
+        progress=lambda description, completed, total: calls.append((description, completed, total)),
+    )
+    assert loaded.eos_token_ids == frozenset({0, 2, 5})  # tokenizer <|im_end|> 2, generation config [0, 5]
+    assert loaded.dtype == torch.bfloat16
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+    assert loaded.device == CPU
+    assert not loaded.model.training
+    assert calls[-1][1] == calls[-1][2]
+    fp32 = load_model(ModelSettings(model=str(tiny_folder), dtype="fp32", device="cpu", threads=1))
+    assert fp32.fingerprint == loaded.fingerprint
+    assert len(loaded.fingerprint) == 16
+
+
+def test_fingerprint_changes_with_the_model(tiny_folder: Path, tmp_path: Path, smollm2: LoadedModel) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_folder, copy)
+    original = load_model(ModelSettings(model=str(tiny_folder), dtype="fp32", device="cpu", threads=1))
+    assert load_model(ModelSettings(model=str(copy), dtype="fp32", device="cpu", threads=1)).fingerprint != (
+        original.fingerprint
+    )
+    assert smollm2.fingerprint != original.fingerprint
+
+
+def test_choose_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert choose_dtype("fp32", CPU) == torch.float32
+    assert choose_dtype("bf16", CPU) == torch.bfloat16
+    assert choose_dtype("fp16", CPU) == torch.float16  # explicit only
+    monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: True)
+    assert choose_dtype("auto", CPU) == torch.bfloat16
+    monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
+    assert choose_dtype("auto", CPU) == torch.float32
+    with pytest.raises(ConfigError, match="int8"):
+        choose_dtype("int8", CPU)
+
+
+def test_apply_threads() -> None:
+    before = torch.get_num_threads()
+    try:
+        assert apply_threads(1) == 1
+        assert torch.get_num_threads() == 1
+        assert apply_threads(0) == max(1, device_module.num_physical_cores() - 1)
+        with pytest.raises(ConfigError):
+            apply_threads(-1)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_physical_cores_count_hyperthreads_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    siblings = [(0, 0), (1, 1), (2, 0), (3, 1)]  # (processor, core id): two cores with two threads each
+    cpuinfo = "\n\n".join(f"processor\t: {p}\nphysical id\t: 0\ncore id\t\t: {c}" for p, c in siblings)
+    monkeypatch.setattr(device_module, "_read_cpuinfo", lambda: cpuinfo)
+    monkeypatch.setattr(device_module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert device_module.num_physical_cores() == 2
+    monkeypatch.setattr(device_module.os, "sched_getaffinity", lambda pid: {0})
+    assert device_module.num_physical_cores() == 1
+
+
+def test_conversion_is_atomic_and_runs_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    conversions: list[Path] = []
+
+    def fake_convert(gguf_path: Path, out_dir: Path, progress: object = None) -> None:
+        conversions.append(out_dir)
+        for name in packaged._REQUIRED_FILES:
+            (out_dir / name).write_text("x")
+
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(packaged, "convert_gguf", fake_convert)
+    target = packaged.converted_dir()
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("half-written by a crashed converter")
+    assert packaged.ensure_converted() == target
+    assert packaged.ensure_converted() == target
+    assert len(conversions) == 1
+    assert conversions[0] != target
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # staging folder removed
+    assert packaged.is_converted(target)
