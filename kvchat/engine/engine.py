@@ -163,20 +163,19 @@ class Engine:
         if self.pool is None or limit <= seq.num_recorded:
             return
         bs = self.block_size
-        first = seq.num_recorded // bs
-        parent = self._prefix_hash(seq, first)
-        for index in range(first, (limit - 1) // bs + 1):
+        for index in range(seq.num_recorded // bs, (limit - 1) // bs + 1):
             piece = seq.token_ids[index * bs : min((index + 1) * bs, limit)]
-            self.blocks.record(seq.block_table[index], parent, piece)
-            if len(piece) == bs:
-                parent = chain_hash(parent, piece)
+            self.blocks.record(seq.block_table[index], self._prefix_hash(seq, index), piece)
         seq.num_recorded = limit
 
     def _prefix_hash(self, seq: Sequence, num_blocks: int) -> int:
-        parent = ROOT_HASH
-        for index in range(num_blocks):
-            parent = chain_hash(parent, seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
-        return parent
+        """Chained hash of the sequence's first `num_blocks` full blocks (memoized: they never change)."""
+        chain = seq.block_hashes
+        while len(chain) < num_blocks:
+            index = len(chain)
+            piece = seq.token_ids[index * self.block_size : (index + 1) * self.block_size]
+            chain.append(chain_hash(chain[-1] if chain else ROOT_HASH, piece))
+        return chain[num_blocks - 1] if num_blocks else ROOT_HASH
 
     # -- KV access for the chunk layer --------------------------------------------------------------
 
