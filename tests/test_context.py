@@ -196,3 +196,15 @@ def test_load_refuses_mismatched_and_truncated_files(model, tmp_path):
     with pytest.raises(StateFileError):
         other.load(tmp_path / "cut.safetensors")
     assert other.chunk(other.query).info.text == "keep me"
+
+
+def test_reposition_moves_reordered_chunks_even_when_their_header_is_cached(model):
+    cm = make_manager(model, mode=ReuseMode.REPOSITION)
+    cm.set_system("system prompt")
+    docs = [cm.add_context(text(20 + i, 25)).chunk_id for i in range(3)]
+    cm.set_query("which came first?")
+    drain(cm.infer(GREEDY))
+    cm.middle = docs[::-1]  # each passage starts with the same user header, which the prefix matches
+    result = drain(cm.infer(GREEDY))
+    moved = [r for r in result.chunks if r.role is Role.CONTEXT]
+    assert all(r.num_computed == 0 and r.num_reused + r.num_repositioned == r.num_tokens for r in moved)

@@ -83,8 +83,8 @@ def compose(
         seq = engine.start(token_ids)
         composed = ComposedSequence(seq, ranges, seq.num_computed, [])
         for chunk, start, end in movable:
-            if start < seq.num_computed or end >= len(token_ids):
-                continue  # already computed, or the very last tokens (they must produce logits)
+            if end <= seq.num_computed or end >= len(token_ids):
+                continue  # already there, or the very last tokens (they must produce logits)
             _place(engine, seq, chunk, start, end, mode, repair, inv_freq, composed)
     finally:
         engine.blocks.release(held)
@@ -95,8 +95,9 @@ def _place(engine, seq, chunk, start, end, mode, repair, inv_freq, composed: Com
     span = chunk.span
     if seq.num_computed < start:
         engine.compute(seq, until=start)
-    first_moved = start + (repair.num_recomputed(end - start) if mode is ReuseMode.REPAIR else 0)
-    if first_moved > start:
+    # A chunk may start inside the exact prefix (its first tokens matched): move only the rest.
+    first_moved = max(seq.num_computed, start + (repair.num_recomputed(end - start) if mode is ReuseMode.REPAIR else 0))
+    if first_moved > seq.num_computed:
         engine.compute(seq, until=first_moved)
     if first_moved == end:
         return
