@@ -100,7 +100,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reuse.mode": (lambda v: v in REUSE_MODES, f"must be one of {', '.join(REUSE_MODES)}"),
     "reuse.repair_share": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "reuse.repair_min_tokens": (lambda v: v >= 0, "must be >= 0"),
-    "reuse.verify_tokens": (lambda v: v >= 0, "must be >= 0"),
+    "reuse.verify_tokens": (lambda v: v >= 1, "must be >= 1"),
 }
 
 Layer = dict[str, dict[str, object]]

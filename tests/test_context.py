@@ -80,9 +80,10 @@ def test_chat_turns_compute_only_new_tokens(model):
         result = drain(cm.chat(text(10 + turn, 6), GREEDY))
         new_tokens = result.prompt_tokens - prev_tokens
         if turn:
-            assert result.computed_tokens <= new_tokens + cm.engine.block_size
-            assert result.reused_tokens >= prev_tokens - cm.engine.block_size
-        prev_tokens = result.prompt_tokens + len(result.token_ids) + 1  # + the turn's closing "\n"
+            assert result.computed_tokens == new_tokens  # the partial last block is copied, not recomputed
+            assert result.reused_tokens == prev_tokens
+        closing = 1 if result.finish_reason == "stop" else 2  # "\n", or "<|im_end|>\n"
+        prev_tokens = result.prompt_tokens + len(result.token_ids) + closing
     assert [c.role for c in cm.context_chunks()][-2:] == [Role.USER, Role.OUTPUT]
 
 
@@ -148,7 +149,7 @@ def test_cancel_keeps_generated_tokens(model):
     next(stream)
     result = stream.throw(KeyboardInterrupt())
     assert isinstance(result, InferenceResult) and result.finish_reason == "cancelled"
-    assert len(result.token_ids) >= 1 and cm.outputs()[0].num_tokens > 0
+    assert 1 <= len(result.token_ids) < 50 and cm.outputs()[0].num_tokens > len(result.token_ids)
     cm.engine.blocks.check_invariants()
 
 

@@ -31,6 +31,8 @@ def verify(cm: ContextManager, num_tokens: int) -> FidelityReport:
     """Compare the manager's mode with a full recompute on the current context."""
     if cm.query is None and not cm.turns:
         raise ChunkError("nothing to verify: set a query with /query TEXT")
+    if num_tokens < 1:
+        raise ChunkError("verify needs at least 1 token to compare")
     engine = cm.engine
     chunks = cm.context_chunks()
     composed = build(cm, chunks, reserve_tokens=num_tokens, release_live=False)

@@ -87,11 +87,12 @@ def run(
         steps.close()
         _finish(cm, composed, chunks, prompt_len, "cancelled", close_ids, "".join(text), as_turn)
         raise
+    generated = seq.token_ids[prompt_len:]  # before the turn is closed
     result = _finish(cm, composed, chunks, prompt_len, finish, close_ids, "".join(text), as_turn)
     stats = last.stats if last else None
     yield InferenceResult(
         text=result.text,
-        token_ids=seq.token_ids[prompt_len:],
+        token_ids=generated,
         finish_reason=finish,
         output_number=result.output_number,
         chunk_id=result.chunk_id,
