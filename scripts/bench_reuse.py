@@ -15,6 +15,7 @@ leading greedy tokens that agree.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import inspect
 import random
@@ -104,7 +105,7 @@ def main() -> None:
     for kind, setup in (("reorder", reorder), ("reuse", reuse)):
         for seed in range(args.seeds):
             for mode in ReuseMode:
-                engine = Engine(model, kv_memory_bytes=1 << 30, block_size=16)
+                engine = Engine(model, kv_memory_bytes=512 << 20, block_size=16)
                 cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id}))
                 cm.repair = RepairPolicy(share=0.15, min_tokens=4)
                 setup(cm, docs, seed)
@@ -112,6 +113,8 @@ def main() -> None:
                 result = last(cm.infer(ONE_TOKEN))
                 report = cm.verify(args.verify_tokens)
                 rows[mode].append((kind, result, report))
+                del cm, engine
+                gc.collect()  # the pool of the session just measured goes before the next one
                 print(
                     f"{kind:<8} seed={seed} {mode.value:<10} ttft={result.ttft_s:7.3f}s "
                     f"reused={result.reused_tokens:5d} moved={result.repositioned_tokens:5d} "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvchat.chunks.registry import Chunk
 from kvchat.chunks.types import ChunkReport, ReuseMode
 from kvchat.engine.engine import Engine
-from kvchat.engine.rope import rerotate_keys
+from kvchat.engine.rope import rerotate_keys_
 from kvchat.engine.sequence import Sequence
 
 
@@ -103,6 +103,6 @@ def _place(engine, seq, chunk, start, end, mode, repair, inv_freq, composed: Com
         return
     slots = span.slots(engine.block_size)[first_moved - start :]
     keys, values = engine.gather(slots)  # (L, T, H, D)
-    keys = rerotate_keys(keys, start - span.start_pos, inv_freq)
+    keys = rerotate_keys_(keys, start - span.start_pos, inv_freq)
     engine.write_kv(seq, first_moved, keys, values)
     composed.repositioned.append((first_moved, end))

@@ -9,7 +9,7 @@ import torch
 
 from kvchat.chunks.inference import build
 from kvchat.chunks.types import FidelityReport
-from kvchat.errors import ChunkError
+from kvchat.errors import CacheFullError, ChunkError
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
@@ -40,7 +40,13 @@ def verify(cm: ContextManager, num_tokens: int) -> FidelityReport:
     full_seq = None
     try:
         approx = engine.compute(approx_seq)
-        full_seq = engine.start(list(approx_seq.token_ids), reuse=False)
+        try:
+            full_seq = engine.start(list(approx_seq.token_ids), reuse=False)
+        except CacheFullError:
+            raise CacheFullError(
+                f"/verify needs room for a second, fully recomputed copy of the context "
+                f"({approx_seq.num_blocks_needed} blocks; {engine.blocks.num_free} free): raise --kv-memory"
+            ) from None
         full = engine.compute(full_seq)
         kl, top1, top5, max_diff = compare_logits(full, approx)
         # Teacher-forced: both sequences get the full recompute's greedy tokens, so every position

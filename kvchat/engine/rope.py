@@ -15,17 +15,15 @@ def rotary_inv_freq(model) -> torch.Tensor:
     return rotary.inv_freq.float()
 
 
-def rerotate_keys(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Keys (L, T, H, D) computed at positions p, returned as if computed at p + delta."""
+def rerotate_keys_(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate keys (L, T, H, D) computed at positions p, in place, to positions p + delta."""
     if delta == 0:
         return keys
-    rot = 2 * inv_freq.shape[0]  # models with partial rotary leave the last dims unrotated
-    angle = float(delta) * inv_freq.to(keys.device)  # (rot/2,)
-    cos = torch.cat([angle.cos(), angle.cos()])  # (rot,)
-    sin = torch.cat([angle.sin(), angle.sin()])
-    k = keys[..., :rot].float()  # (L, T, H, rot)
-    half = rot // 2
-    rotated_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
-    out = keys.clone()
-    out[..., :rot] = (k * cos + rotated_half * sin).to(keys.dtype)
-    return out
+    half = inv_freq.shape[0]  # models with partial rotary leave the dims past 2 * half unrotated
+    angle = float(delta) * inv_freq.to(keys.device)  # (half,)
+    cos, sin = angle.cos(), angle.sin()
+    k1, k2 = keys[..., :half].float(), keys[..., half : 2 * half].float()  # (L, T, H, half); views if fp32
+    # transformers' rotate_half layout: (k1, k2) -> (k1 cos - k2 sin, k2 cos + k1 sin)
+    first, second = k1 * cos - k2 * sin, k2 * cos + k1 * sin
+    keys[..., :half], keys[..., half : 2 * half] = first, second
+    return keys
