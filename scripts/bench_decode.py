@@ -77,7 +77,9 @@ def bench_kvchat(model, tokenizer, prompt: list[int], tokens: int, repeats: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", help="a local model folder (default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -87,21 +89,28 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = args.model or ensure_converted()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype], attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=DTYPES[args.dtype], attn_implementation="sdpa"
+    ).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    print(f"model={folder} dtype={args.dtype} threads={args.threads} tokens={args.tokens} repeats={args.repeats}")
-    print(f"{'context':>8} {'variant':<20} {'median tok/s':>12} {'min':>7} {'max':>7} {'vs generate':>11}")
+    print(f"model={folder} dtype={args.dtype} threads={args.threads} tokens={args.tokens} x{args.repeats}")
+    print("| context | variant | median tok/s | min | max | vs model.generate |")
+    print("|---:|---|---:|---:|---:|---:|")
     for context in args.contexts:
         prompt = prompt_of(tokenizer, context)
         results = {
             "model.generate": bench_generate(model, prompt, args.tokens, args.repeats),
-            "kvchat contiguous": bench_kvchat(model, tokenizer, prompt, args.tokens, args.repeats, paged=False),
+            "kvchat contiguous": bench_kvchat(
+                model, tokenizer, prompt, args.tokens, args.repeats, paged=False
+            ),
             "kvchat paged": bench_kvchat(model, tokenizer, prompt, args.tokens, args.repeats, paged=True),
         }
         base = statistics.median(results["model.generate"])
         for name, rates in results.items():
-            median = statistics.median(rates)
-            print(f"{context:>8} {name:<20} {median:>12.1f} {min(rates):>7.1f} {max(rates):>7.1f} {median / base:>10.2f}x")
+            med = statistics.median(rates)
+            print(
+                f"| {context} | {name} | {med:.1f} | {min(rates):.1f} | {max(rates):.1f} | {med / base:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -33,13 +33,26 @@ from kvchat.engine.sampling import SamplingParams
 from kvchat.models.packaged import ensure_converted
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SOURCES = ["argparse", "subprocess", "logging", "pickle", "difflib", "textwrap", "unittest", "collections", "os", "json"]
+SOURCES = [
+    "argparse",
+    "subprocess",
+    "logging",
+    "pickle",
+    "difflib",
+    "textwrap",
+    "unittest",
+    "collections",
+    "os",
+    "json",
+]
 ONE_TOKEN = SamplingParams(max_tokens=1)
 
 
 def _module_text(module) -> str:
     docs = [module.__doc__ or ""] + [
-        inspect.getdoc(getattr(module, name)) or "" for name in sorted(dir(module)) if not name.startswith("_")
+        inspect.getdoc(getattr(module, name)) or ""
+        for name in sorted(dir(module))
+        if not name.startswith("_")
     ]
     return " ".join(" ".join(docs).split())
 
@@ -88,7 +101,9 @@ def reuse(cm: ContextManager, docs: list[str], seed: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", help="a local model folder (default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -98,7 +113,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = args.model or ensure_converted()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype], attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=DTYPES[args.dtype], attn_implementation="sdpa"
+    ).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     docs = passages(tokenizer, args.context_tokens)
     rows: dict[ReuseMode, list] = {mode: [] for mode in ReuseMode}
@@ -106,7 +123,9 @@ def main() -> None:
         for seed in range(args.seeds):
             for mode in ReuseMode:
                 engine = Engine(model, kv_memory_bytes=512 << 20, block_size=16)
-                cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id}))
+                cm = ContextManager(
+                    engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id})
+                )
                 cm.repair = RepairPolicy(share=0.15, min_tokens=4)
                 setup(cm, docs, seed)
                 cm.mode = mode
@@ -123,14 +142,17 @@ def main() -> None:
                     flush=True,
                 )
     print(f"\nmodel={folder} dtype={args.dtype} threads={args.threads} context~{args.context_tokens} tokens")
-    print(f"{'mode':<11} {'median TTFT':>11} {'vs exact':>9} {'median KL':>10} {'top-1 agree':>12} {'greedy agree':>13}")
+    print("| mode | median TTFT | vs exact | median KL | top-1 agreement | greedy agreement |")
+    print("|---|---:|---:|---:|---:|---:|")
     exact_ttft = statistics.median(r.ttft_s for _, r, _ in rows[ReuseMode.EXACT])
     for mode, data in rows.items():
         ttft = statistics.median(r.ttft_s for _, r, _ in data)
         kl = statistics.median(v.kl_divergence for _, _, v in data)
         top1 = statistics.mean(v.top1_rate for _, _, v in data)
         greedy = statistics.mean(v.greedy_agree / v.greedy_tokens for _, _, v in data)
-        print(f"{mode.value:<11} {ttft:>10.3f}s {exact_ttft / ttft:>8.1f}x {kl:>10.4f} {top1:>12.2f} {greedy:>13.2f}")
+        print(
+            f"| {mode.value} | {ttft:.3f} s | {exact_ttft / ttft:.1f}x | {kl:.4f} | {top1:.2f} | {greedy:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -10,5 +10,7 @@ def smollm2():
     from kvchat.models.packaged import ensure_converted
 
     folder = ensure_converted()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     return model, AutoTokenizer.from_pretrained(folder)

@@ -34,7 +34,13 @@ def make_manager(model, block_size=4, kv_memory=1 << 23, mode=ReuseMode.EXACT):
     tokenizer = load_smollm2_tokenizer()
     engine = Engine(model, kv_memory_bytes=kv_memory, block_size=block_size, prefill_chunk=16)
     return ContextManager(
-        engine, ChatFormat(tokenizer), tokenizer, frozenset({2}), model_id="tiny", fingerprint="tiny-1", mode=mode
+        engine,
+        ChatFormat(tokenizer),
+        tokenizer,
+        frozenset({2}),
+        model_id="tiny",
+        fingerprint="tiny-1",
+        mode=mode,
     )
 
 
@@ -90,7 +96,7 @@ def test_chat_turns_compute_only_new_tokens(model):
 def test_outputs_are_retained_pinned_and_released(model):
     cm = make_manager(model)
     cm.set_query("say something")
-    result = drain(cm.infer(GREEDY))
+    result = cm.infer_blocking(GREEDY)
     assert result.output_number == 1
     (out,) = cm.outputs()
     assert out.pinned and out.num_blocks > 0
@@ -121,7 +127,10 @@ def test_reposition_and_repair_move_chunks_and_report_them(model):
     assert reports[ReuseMode.EXACT].num_computed == reports[ReuseMode.EXACT].num_tokens
     assert reports[ReuseMode.REPOSITION].num_repositioned == reports[ReuseMode.REPOSITION].num_tokens
     repair = reports[ReuseMode.REPAIR]
-    assert 0 < repair.num_computed < repair.num_tokens and repair.num_repositioned == repair.num_tokens - repair.num_computed
+    assert (
+        0 < repair.num_computed < repair.num_tokens
+        and repair.num_repositioned == repair.num_tokens - repair.num_computed
+    )
 
 
 def test_verify_exact_is_identical_and_reposition_is_measured(model):

@@ -20,14 +20,16 @@ from tests.tiny_models import make_tiny_model
 from tests.tokenizers import load_smollm2_tokenizer
 
 MODEL = make_tiny_model("qwen2", vocab_size=49152, seed=1)
-TEXTS = st.lists(st.sampled_from("red green blue river stone cloud quick slow dog owl".split()), min_size=1, max_size=12)
+TEXTS = st.lists(
+    st.sampled_from("red green blue river stone cloud quick slow dog owl".split()), min_size=1, max_size=12
+)
 TMP = Path(tempfile.mkdtemp(prefix="kvchat-stateful-"))
 
 
 def new_manager() -> ContextManager:
     tokenizer = load_smollm2_tokenizer()
-    engine = Engine(MODEL, kv_memory_bytes=Engine(MODEL, kv_memory_bytes=1 << 20, block_size=4).bytes_per_block * 96,
-                    block_size=4, prefill_chunk=8)  # fmt: skip
+    block_bytes = Engine(MODEL, kv_memory_bytes=1 << 20, block_size=4).bytes_per_block
+    engine = Engine(MODEL, kv_memory_bytes=block_bytes * 96, block_size=4, prefill_chunk=8)
     return ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({2}), fingerprint="tiny")
 
 
@@ -51,7 +53,9 @@ class ContextMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     @precondition(lambda self: self.cm.middle)
     def reorder_or_drop(self, data):
-        self.cm.middle = data.draw(st.permutations(self.cm.middle))[: data.draw(st.integers(0, len(self.cm.middle)))]
+        self.cm.middle = data.draw(st.permutations(self.cm.middle))[
+            : data.draw(st.integers(0, len(self.cm.middle)))
+        ]
 
     @rule(mode=st.sampled_from(ReuseMode), max_tokens=st.integers(1, 6))
     @precondition(lambda self: self.cm.query is not None)
@@ -61,7 +65,9 @@ class ContextMachine(RuleBasedStateMachine):
             *_, result = self.cm.infer(SamplingParams(max_tokens=max_tokens))
         except KvchatError:
             return  # a full cache is refused cleanly; the invariants still hold
-        assert result.reused_tokens + result.repositioned_tokens + result.computed_tokens == result.prompt_tokens
+        assert (
+            result.reused_tokens + result.repositioned_tokens + result.computed_tokens == result.prompt_tokens
+        )
 
     @rule(data=st.data())
     @precondition(lambda self: self.cm.outputs())

@@ -1,9 +1,16 @@
-"""Tiny random-weight causal LMs built from configs, for fast tests of Llama-style, Qwen2 and Qwen3 code paths."""
+"""Tiny random-weight causal LMs built from configs: fast tests of the Llama, Qwen2 and Qwen3 code paths."""
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 _COMMON = dict(
     hidden_size=64,

@@ -96,7 +96,9 @@ def _place(engine, seq, chunk, start, end, mode, repair, inv_freq, composed: Com
     if seq.num_computed < start:
         engine.compute(seq, until=start)
     # A chunk may start inside the exact prefix (its first tokens matched): move only the rest.
-    first_moved = max(seq.num_computed, start + (repair.num_recomputed(end - start) if mode is ReuseMode.REPAIR else 0))
+    first_moved = max(
+        seq.num_computed, start + (repair.num_recomputed(end - start) if mode is ReuseMode.REPAIR else 0)
+    )
     if first_moved > seq.num_computed:
         engine.compute(seq, until=first_moved)
     if first_moved == end:

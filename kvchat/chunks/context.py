@@ -3,7 +3,7 @@ KV kept alive for them (retained outputs and the live conversation)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 from kvchat.chunks import inference, persist
@@ -136,17 +136,26 @@ class ContextManager:
 
     # -- inference ---------------------------------------------------------------------------------
 
-    def infer(self, params: SamplingParams) -> Iterator[StepEvent | InferenceResult]:
+    def infer(self, params: SamplingParams) -> Generator[StepEvent | InferenceResult, None, None]:
         """Generate from the current context and query; yields steps, then the InferenceResult."""
         if self.query is None and not self.turns:
             raise ChunkError("no query to answer: set one with /query TEXT")
         return inference.run(self, self.context_chunks(), params, as_turn=False)
 
-    def chat(self, text: str, params: SamplingParams) -> Iterator[StepEvent | InferenceResult]:
+    def chat(self, text: str, params: SamplingParams) -> Generator[StepEvent | InferenceResult, None, None]:
         """Append a user turn, generate, and append the answer as an assistant turn."""
         turn = self.register(Role.USER, text)
         self.turns.append(turn.chunk_id)
         return inference.run(self, self.context_chunks(with_query=False), params, as_turn=True)
+
+    def infer_blocking(self, params: SamplingParams) -> InferenceResult:
+        """`infer` without streaming: the InferenceResult alone."""
+        *_, result = self.infer(params)
+        return result
+
+    def chat_blocking(self, text: str, params: SamplingParams) -> InferenceResult:
+        *_, result = self.chat(text, params)
+        return result
 
     def verify(self, num_tokens: int = 16) -> FidelityReport:
         from kvchat.chunks.fidelity import verify

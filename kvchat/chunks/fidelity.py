@@ -24,7 +24,12 @@ def compare_logits(full: torch.Tensor, approx: torch.Tensor) -> tuple[float, boo
     top5_full = set(full.topk(5).indices.tolist())
     top5_approx = set(approx.topk(5).indices.tolist())
     top1 = int(full.argmax()) == int(approx.argmax())
-    return max(kl, 0.0), top1, len(top5_full & top5_approx), float((full.float() - approx.float()).abs().max())
+    return (
+        max(kl, 0.0),
+        top1,
+        len(top5_full & top5_approx),
+        float((full.float() - approx.float()).abs().max()),
+    )
 
 
 def verify(cm: ContextManager, num_tokens: int) -> FidelityReport:

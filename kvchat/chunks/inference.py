@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 from kvchat.chunks.compose import ComposedSequence, compose
@@ -60,7 +60,7 @@ def _what_to_delete(cm: ContextManager) -> str:
 
 def run(
     cm: ContextManager, chunks: list[Chunk], params: SamplingParams, as_turn: bool
-) -> Iterator[StepEvent | InferenceResult]:
+) -> Generator[StepEvent | InferenceResult, None, None]:
     """Stream one inference. KeyboardInterrupt (raised inside, or thrown in at a yield) stops it
     within a token; what was generated is kept and the InferenceResult still comes last."""
     close_ids = cm.format.assistant_close_ids()

@@ -69,14 +69,19 @@ def save(cm: ContextManager, path: Path) -> int:
             record["span"]["where"] = where
             if where == "own":
                 keys, values = engine.gather(span.slots(engine.block_size))
-                tensors[f"span.{chunk.chunk_id}.keys"], tensors[f"span.{chunk.chunk_id}.values"] = keys, values
+                tensors[f"span.{chunk.chunk_id}.keys"], tensors[f"span.{chunk.chunk_id}.values"] = (
+                    keys,
+                    values,
+                )
         records.append(record)
     meta = {
         "format": FORMAT,
         "layout": _layout(cm),
         "chunks": records,
         "context": {"system": cm.system, "middle": cm.middle, "turns": cm.turns, "query": cm.query},
-        "live": None if live is None else {"token_ids": live.token_ids[: live.num_computed], "exact": live.exact_limit},
+        "live": None
+        if live is None
+        else {"token_ids": live.token_ids[: live.num_computed], "exact": live.exact_limit},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -125,7 +130,9 @@ def _check_shapes(cm: ContextManager, meta: dict, tensors: dict[str, torch.Tenso
         for part in ("keys", "values"):
             t = tensors.get(f"{name}.{part}")
             if t is None or tuple(t.shape) != (e.num_layers, num_tokens, e.num_kv_heads, e.head_dim):
-                raise StateFileError(f"state file is truncated or damaged: {name}.{part} is missing or misshapen")
+                raise StateFileError(
+                    f"state file is truncated or damaged: {name}.{part} is missing or misshapen"
+                )
         need += -(-num_tokens // e.block_size)
     if need > e.blocks.num_blocks:
         raise StateFileError(f"state file needs {need} KV blocks, this session has {e.blocks.num_blocks}")
@@ -158,7 +165,12 @@ def load(cm: ContextManager, path: Path) -> int:
     outputs = [r["output_number"] or 0 for r in meta["chunks"]] or [0]
     cm.registry._next_number, cm.registry._next_output = max(numbers) + 1, max(outputs) + 1
     context = meta["context"]
-    cm.system, cm.middle, cm.turns, cm.query = context["system"], context["middle"], context["turns"], context["query"]
+    cm.system, cm.middle, cm.turns, cm.query = (
+        context["system"],
+        context["middle"],
+        context["turns"],
+        context["query"],
+    )
     return len(meta["chunks"])
 
 

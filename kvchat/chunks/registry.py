@@ -73,10 +73,14 @@ class ChunkRegistry:
             if chunk.output_number == number:
                 return chunk
         known = sorted(c.output_number for c in self.chunks.values() if c.output_number is not None)
-        raise ChunkError(f"no output {number}" + (f" (outputs: {', '.join(map(str, known))})" if known else ""))
+        raise ChunkError(
+            f"no output {number}" + (f" (outputs: {', '.join(map(str, known))})" if known else "")
+        )
 
     def outputs(self) -> list[Chunk]:
-        return sorted((c for c in self.chunks.values() if c.output_number is not None), key=lambda c: c.output_number)
+        return sorted(
+            (c for c in self.chunks.values() if c.output_number is not None), key=lambda c: c.output_number
+        )
 
     def remove(self, chunk_id: str) -> Chunk:
         return self.chunks.pop(chunk_id)

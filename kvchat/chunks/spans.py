@@ -23,7 +23,9 @@ class KVSpan:
     pinned: bool
 
     @classmethod
-    def of(cls, blocks: BlockManager, seq: Sequence, start: int, end: int, exact: bool, pinned: bool) -> KVSpan:
+    def of(
+        cls, blocks: BlockManager, seq: Sequence, start: int, end: int, exact: bool, pinned: bool
+    ) -> KVSpan:
         block_ids = tuple(seq.blocks_covering(start, end))
         span = cls(
             block_ids,
@@ -39,7 +41,9 @@ class KVSpan:
         return span
 
     def is_valid(self, blocks: BlockManager) -> bool:
-        return all(blocks.blocks[b].generation == g for b, g in zip(self.block_ids, self.generations, strict=True))
+        return all(
+            blocks.blocks[b].generation == g for b, g in zip(self.block_ids, self.generations, strict=True)
+        )
 
     def slots(self, block_size: int) -> list[int]:
         return [

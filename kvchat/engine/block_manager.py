@@ -151,7 +151,9 @@ class BlockManager:
         while (len(shared) + 1) * bs <= limit:
             piece = token_ids[len(shared) * bs : (len(shared) + 1) * bs]
             block_id = self._by_hash.get(chain_hash(parent, piece))
-            if block_id is None or self.blocks[block_id].token_ids != piece:  # the ids guard against collisions
+            if (
+                block_id is None or self.blocks[block_id].token_ids != piece
+            ):  # the ids guard against collisions
                 break
             shared.append(block_id)
             parent = self.blocks[block_id].hash  # type: ignore[assignment]

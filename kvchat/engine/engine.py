@@ -52,11 +52,21 @@ class Engine:
             )
         self.blocks = BlockManager(num_blocks, block_size)
         self.pool = (
-            KVPool(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+            KVPool(
+                self.num_layers,
+                num_blocks,
+                block_size,
+                self.num_kv_heads,
+                self.head_dim,
+                self.dtype,
+                self.device,
+            )
             if paged
             else None
         )
-        self.workspace = KVWorkspace(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        self.workspace = KVWorkspace(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device
+        )
         self._cache = ForwardCache(self.workspace, self.pool)
         self._seq_ids = itertools.count(1)
 
