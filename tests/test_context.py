@@ -218,3 +218,12 @@ def test_reposition_moves_reordered_chunks_even_when_their_header_is_cached(mode
     result = drain(cm.infer(GREEDY))
     moved = [r for r in result.chunks if r.role is Role.CONTEXT]
     assert all(r.num_computed == 0 and r.num_reused + r.num_repositioned == r.num_tokens for r in moved)
+
+
+def test_refused_chat_turn_changes_nothing(model):
+    block_bytes = Engine(model, kv_memory_bytes=1 << 23, block_size=4).bytes_per_block
+    cm = make_manager(model, kv_memory=block_bytes * 16)
+    before = [c.chunk_id for c in cm.context_chunks()]
+    with pytest.raises(CacheFullError):
+        cm.chat_blocking(text(8, 10), SamplingParams(max_tokens=60))
+    assert [c.chunk_id for c in cm.context_chunks()] == before and cm.turns == []

@@ -140,13 +140,13 @@ class ContextManager:
         """Generate from the current context and query; yields steps, then the InferenceResult."""
         if self.query is None and not self.turns:
             raise ChunkError("no query to answer: set one with /query TEXT")
-        return inference.run(self, self.context_chunks(), params, as_turn=False)
+        return inference.run(self, self.context_chunks(), params)
 
     def chat(self, text: str, params: SamplingParams) -> Generator[StepEvent | InferenceResult, None, None]:
         """Append a user turn, generate, and append the answer as an assistant turn."""
         turn = self.register(Role.USER, text)
-        self.turns.append(turn.chunk_id)
-        return inference.run(self, self.context_chunks(with_query=False), params, as_turn=True)
+        chunks = self.context_chunks(with_query=False) + [turn]
+        return inference.run(self, chunks, params, turn=turn)  # the turn joins the context with its answer
 
     def infer_blocking(self, params: SamplingParams) -> InferenceResult:
         """`infer` without streaming: the InferenceResult alone."""

@@ -59,7 +59,7 @@ def _what_to_delete(cm: ContextManager) -> str:
 
 
 def run(
-    cm: ContextManager, chunks: list[Chunk], params: SamplingParams, as_turn: bool
+    cm: ContextManager, chunks: list[Chunk], params: SamplingParams, turn: Chunk | None = None
 ) -> Generator[StepEvent | InferenceResult, None, None]:
     """Stream one inference. KeyboardInterrupt (raised inside, or thrown in at a yield) stops it
     within a token; what was generated is kept and the InferenceResult still comes last."""
@@ -85,10 +85,10 @@ def run(
         steps.close()
     except GeneratorExit:
         steps.close()
-        _finish(cm, composed, chunks, prompt_len, "cancelled", close_ids, "".join(text), as_turn)
+        _finish(cm, composed, chunks, prompt_len, "cancelled", close_ids, "".join(text), turn)
         raise
     generated = seq.token_ids[prompt_len:]  # before the turn is closed
-    result = _finish(cm, composed, chunks, prompt_len, finish, close_ids, "".join(text), as_turn)
+    result = _finish(cm, composed, chunks, prompt_len, finish, close_ids, "".join(text), turn)
     stats = last.stats if last else None
     yield InferenceResult(
         text=result.text,
@@ -109,7 +109,7 @@ def run(
     )
 
 
-def _finish(cm, composed, chunks, prompt_len, finish, close_ids, text, as_turn) -> Chunk:
+def _finish(cm, composed, chunks, prompt_len, finish, close_ids, text, turn) -> Chunk:
     """Close the assistant turn, compute the KV still missing, and retain the output."""
     engine, seq = cm.engine, composed.seq
     generated = seq.token_ids[prompt_len:]
@@ -133,7 +133,7 @@ def _finish(cm, composed, chunks, prompt_len, finish, close_ids, text, as_turn) 
     for chunk, a, b in composed.chunk_ranges:
         if b <= seq.exact_limit and (chunk.span is None or not chunk.span.is_valid(engine.blocks)):
             chunk.span = KVSpan.of(engine.blocks, seq, a, b, exact=True, pinned=False)
-    if as_turn:
-        cm.turns.append(output.chunk_id)
+    if turn is not None:
+        cm.turns += [turn.chunk_id, output.chunk_id]
     cm.live = seq
     return output
