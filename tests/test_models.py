@@ -151,6 +151,8 @@ def test_choose_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_dtype("fp16", CPU) == torch.float16  # explicit only
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: True)
     assert choose_dtype("auto", CPU) == torch.bfloat16
+    assert choose_dtype("auto", CPU, stored=torch.bfloat16) == torch.bfloat16
+    assert choose_dtype("auto", CPU, stored=torch.float32) == torch.float32  # fp32 checkpoints stay fp32
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
     assert choose_dtype("auto", CPU) == torch.float32
     with pytest.raises(ConfigError, match="int8"):

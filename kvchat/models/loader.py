@@ -58,9 +58,9 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     """Resolve `settings.model`, load it in the chosen dtype onto the chosen device, set CPU threads."""
     source = resolve_model(settings.model)
     device = choose_device(settings.device)
-    dtype = choose_dtype(settings.dtype, device)
     apply_threads(settings.threads)
     folder = ensure_converted(progress) if source.kind == "packaged" else None
+    dtype = choose_dtype(settings.dtype, device, _stored_dtype(source, folder))
     description = f"loading {source.model_id}"
     report(progress, description, 0, 1)
     with quiet_transformers():
@@ -93,6 +93,18 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
         eos_token_ids=eos_ids,
         fingerprint=compute_fingerprint(source.model_id, model.config),
     )
+
+
+def _stored_dtype(source: ModelSource, folder: Path | None) -> torch.dtype | None:
+    """The dtype a checkpoint's weights are stored in, where it can be told without loading them."""
+    if source.kind == "gguf":
+        return torch.float32  # transformers dequantizes GGUF weights to fp32
+    config_file = (folder or Path(source.location)) / "config.json"
+    if source.kind not in ("packaged", "local") or not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    name = config.get("dtype") or config.get("torch_dtype")
+    return getattr(torch, name, None) if isinstance(name, str) else None
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

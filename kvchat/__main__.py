@@ -1,0 +1,3 @@
+from kvchat.cli.app import main
+
+main()

@@ -1,0 +1,161 @@
+"""The real `kvchat` command, as a user runs it: command files piped in, and a terminal."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pexpect
+import pytest
+
+from tests.tiny_models import make_tiny_model
+
+KVCHAT = [sys.executable, "-m", "kvchat"]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A local model folder: a tiny random Llama with the real SmolLM2 tokenizer and chat template."""
+    from transformers import AutoTokenizer
+
+    from kvchat.models.packaged import ensure_converted
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    make_tiny_model("llama", vocab_size=49152).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(ensure_converted()).save_pretrained(folder)
+    return folder
+
+
+def kvchat(args, stdin: bytes, home) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "KVCHAT_CONFIG": ""}
+    env.pop("KVCHAT_CONFIG")
+    return subprocess.run(KVCHAT + args, input=stdin, capture_output=True, env=env, timeout=300)
+
+
+def records(proc) -> list[dict]:
+    return [json.loads(line) for line in proc.stdout.decode().splitlines() if line.strip()]
+
+
+SCRIPT = b"""# a comment, then a blank line
+
+/system You are terse.
+/context <<<
+The Rhine flows north.
+It ends in the North Sea.
+>>>
+/query Where does the Rhine end?
+/infer
+/infer
+/output
+/use-output 1
+/use-output 9
+/bogus
+/query
+/set temperature hot
+/show 1
+/stats
+/verify 4
+/mode reposition
+/system Another system prompt.
+/infer
+/save STATE
+/load STATE
+/delete-output 1
+/chunks
+"""
+
+
+def test_script_with_json_on_a_local_model_folder(tiny_folder, tmp_path):
+    script = SCRIPT.replace(b"STATE", str(tmp_path / "s.safetensors").encode())
+    args = ["--model", str(tiny_folder), "--json", "--max-tokens", "6", "--seed", "1"]
+    proc = kvchat(args, script, tmp_path)
+    out = records(proc)
+    assert proc.returncode == 1, proc.stderr.decode()  # some commands failed; the rest still ran
+    assert [r["cmd"] for r in out][:4] == ["system", "context", "query", "infer"]
+    assert all({"cmd", "ok", "error"} <= r.keys() for r in out)
+    failed = {r["cmd"]: r["error"] for r in out if not r["ok"]}
+    assert set(failed) == {"use-output", "bogus", "query", "set"}
+    assert "no output 9" in failed["use-output"] and "unknown command" in failed["bogus"]
+    first, second, moved = (r for r in out if r["cmd"] == "infer")
+    for r in (first, second, moved):
+        assert {"output", "output_number", "chunk_id", "prompt_tokens", "reused_tokens", "computed_tokens",
+                "ttft_s", "decode_tok_s", "finish_reason", "chunks"} <= r.keys()  # fmt: skip
+    assert first["reused_tokens"] == 0 and second["reused_tokens"] == second["prompt_tokens"] - 1
+    assert moved["mode"] == "reposition" and moved["repositioned_tokens"] > 0
+    assert next(r for r in out if r["cmd"] == "load")["num_chunks"] >= 5
+    assert next(r for r in out if r["cmd"] == "verify")["fidelity"]["greedy_tokens"] >= 1
+
+
+def test_clean_script_exits_0_and_bad_model_exits_2(tiny_folder, tmp_path):
+    ok = kvchat(["--model", str(tiny_folder), "--max-tokens", "3"], b"/query hi\n/infer\n/stats\n", tmp_path)
+    assert ok.returncode == 0, ok.stderr.decode()
+    assert b"computed" in ok.stdout and b"\x1b[" not in ok.stdout  # plain output when not a terminal
+    bad = kvchat(["--model", str(tmp_path / "nowhere")], b"/stats\n", tmp_path)
+    assert bad.returncode == 2 and bad.stdout == b""
+    assert b"Traceback" not in bad.stderr and len(bad.stderr.decode().strip().splitlines()) == 1
+
+
+def test_invalid_utf8_and_long_lines_are_errors_not_crashes(tiny_folder, tmp_path):
+    stdin = b"/query caf\xe9\n/query " + b"x" * (1 << 21) + b"\n/query fine\n"
+    proc = kvchat(["--model", str(tiny_folder), "--json"], stdin, tmp_path)
+    out = records(proc)
+    assert proc.returncode == 1 and [r["ok"] for r in out] == [False, False, True]
+    assert "UTF-8" in out[0]["error"] and "long" in out[1]["error"]
+
+
+def test_packaged_smollm2_answers_and_reuses(tmp_path):
+    script = b"/system You are a concise assistant.\n/query What is the capital of France?\n/infer\n/infer\n"
+    proc = kvchat(["--json", "--max-tokens", "24"], script, tmp_path)
+    assert proc.returncode == 0, proc.stderr.decode()
+    first, second = (r for r in records(proc) if r["cmd"] == "infer")
+    assert "Paris" in first["output"] and first["output"] == second["output"]
+    assert second["computed_tokens"] == 1 and first["finish_reason"] == "stop"
+
+
+def test_interactive_terminal(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / ".config"), "TERM": "xterm"}
+    env.pop("KVCHAT_CONFIG", None)
+    child = pexpect.spawn(
+        KVCHAT[0],
+        KVCHAT[1:] + ["--max-tokens", "400"],
+        env=env,
+        timeout=120,
+        dimensions=(40, 120),
+        encoding="utf-8",
+    )
+    try:
+        child.expect("›")
+        child.send("/he\t")  # Tab completes the command
+        child.expect("/help")
+        child.send("\r")
+        child.expect("delete-output")
+        child.expect("›")
+        child.send("Write a very long story about a lighthouse keeper.\r")
+        child.expect("keeper\\.")  # the echo of the line
+        time.sleep(4)  # let the answer stream for a while
+        child.sendintr()  # Ctrl-C stops it and keeps what came
+        child.expect("cancelled")
+        child.expect("›")
+        child.send("/output\r")
+        child.expect(r"1\s+\S.*\s\d+\s+[0-9a-f]{10}")  # the kept (truncated) answer: number, text, tokens, id
+        child.expect("›")
+        child.sendeof()  # Ctrl-D quits
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_save_then_load_in_a_fresh_process_gives_the_same_answer_without_recomputing(tiny_folder, tmp_path):
+    state = str(tmp_path / "state.safetensors").encode()
+    args = ["--model", str(tiny_folder), "--json", "--max-tokens", "8"]
+    setup = b"/system You are terse.\n/context The Rhine ends in the North Sea.\n/query Where?\n/infer\n"
+    first = kvchat(args, setup + b"/save " + state + b"\n", tmp_path)
+    second = kvchat(args, b"/load " + state + b"\n/infer\n", tmp_path)
+    assert first.returncode == 0 and second.returncode == 0, second.stderr.decode()
+    before = next(r for r in records(first) if r["cmd"] == "infer")
+    after = next(r for r in records(second) if r["cmd"] == "infer")
+    assert after["output"] == before["output"]
+    assert after["computed_tokens"] == 1  # the last prompt token, for logits; no loaded chunk recomputed
+    assert all(c["num_computed"] == 0 for c in after["chunks"])
