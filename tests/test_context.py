@@ -11,6 +11,7 @@ from kvchat.chunks.inference import build
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import InferenceResult, ReuseMode, Role, StepEvent
 from kvchat.engine.engine import Engine
+from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
 from tests.tiny_models import make_tiny_model
@@ -46,7 +47,7 @@ def make_manager(model, block_size=4, kv_memory=1 << 23, mode=ReuseMode.EXACT):
 
 def drain(stream) -> InferenceResult:
     items = list(stream)
-    assert all(isinstance(i, StepEvent) for i in items[:-1])
+    assert all(isinstance(i, StepEvent | PrefillProgress) for i in items[:-1])
     assert isinstance(items[-1], InferenceResult)
     return items[-1]
 
@@ -155,7 +156,8 @@ def test_cancel_keeps_generated_tokens(model):
     cm = make_manager(model)
     cm.set_query("count")
     stream = cm.infer(SamplingParams(max_tokens=50))
-    next(stream)
+    while not isinstance(next(stream), StepEvent):  # past the prefill, to the first token
+        pass
     result = stream.throw(KeyboardInterrupt())
     assert isinstance(result, InferenceResult) and result.finish_reason == "cancelled"
     assert 1 <= len(result.token_ids) < 50 and cm.outputs()[0].num_tokens > len(result.token_ids)
@@ -227,3 +229,19 @@ def test_refused_chat_turn_changes_nothing(model):
     with pytest.raises(CacheFullError):
         cm.chat_blocking(text(8, 10), SamplingParams(max_tokens=60))
     assert [c.chunk_id for c in cm.context_chunks()] == before and cm.turns == []
+
+
+def test_long_prompt_reports_prefill_progress_and_cancels_between_pieces(model):
+    cm = make_manager(model)  # prefill pieces of 16 tokens
+    cm.add_context(text(30, 60))
+    cm.set_query("what fell?")
+    stream = cm.infer(GREEDY)
+    first = next(stream)
+    assert isinstance(first, PrefillProgress) and first.done == 16 and first.total > 32
+    result = stream.throw(KeyboardInterrupt())
+    assert result.finish_reason == "cancelled" and result.token_ids == [] and result.output_number is None
+    assert result.computed_tokens == 16 < result.prompt_tokens  # what it did, not what it planned
+    assert cm.outputs() == []
+    cm.engine.blocks.check_invariants()
+    again = cm.infer_blocking(GREEDY)
+    assert again.reused_tokens >= 16  # what the cancelled prefill computed stays cached

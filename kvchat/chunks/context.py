@@ -21,9 +21,12 @@ from kvchat.chunks.types import (
     StepEvent,
 )
 from kvchat.engine.engine import Engine
+from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
 from kvchat.errors import CacheFullError, ChunkError
+
+InferenceStream = Generator[PrefillProgress | StepEvent | InferenceResult, None, None]
 
 _TEMPLATE_ROLE = {
     Role.SYSTEM: "system",
@@ -136,13 +139,13 @@ class ContextManager:
 
     # -- inference ---------------------------------------------------------------------------------
 
-    def infer(self, params: SamplingParams) -> Generator[StepEvent | InferenceResult, None, None]:
+    def infer(self, params: SamplingParams) -> InferenceStream:
         """Generate from the current context and query; yields steps, then the InferenceResult."""
         if self.query is None and not self.turns:
             raise ChunkError("no query to answer: set one with /query TEXT")
         return inference.run(self, self.context_chunks(), params)
 
-    def chat(self, text: str, params: SamplingParams) -> Generator[StepEvent | InferenceResult, None, None]:
+    def chat(self, text: str, params: SamplingParams) -> InferenceStream:
         """Append a user turn, generate, and append the answer as an assistant turn."""
         turn = self.register(Role.USER, text)
         chunks = self.context_chunks(with_query=False) + [turn]

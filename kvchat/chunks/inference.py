@@ -11,7 +11,7 @@ from kvchat.chunks.registry import Chunk
 from kvchat.chunks.spans import KVSpan
 from kvchat.chunks.types import InferenceResult, StepEvent
 from kvchat.engine.detokenizer import StreamDetokenizer, split_think
-from kvchat.engine.generate import GenerationStep, generate
+from kvchat.engine.generate import GenerationStep, PrefillProgress, generate
 from kvchat.engine.rope import rotary_inv_freq
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import CacheFullError
@@ -60,9 +60,10 @@ def _what_to_delete(cm: ContextManager) -> str:
 
 def run(
     cm: ContextManager, chunks: list[Chunk], params: SamplingParams, turn: Chunk | None = None
-) -> Generator[StepEvent | InferenceResult, None, None]:
+) -> Generator[PrefillProgress | StepEvent | InferenceResult, None, None]:
     """Stream one inference. KeyboardInterrupt (raised inside, or thrown in at a yield) stops it
-    within a token; what was generated is kept and the InferenceResult still comes last."""
+    within a token (or prefill piece); what was generated is kept and the InferenceResult still
+    comes last. Cancelled before its first token, it keeps no output."""
     close_ids = cm.format.assistant_close_ids()
     t0 = time.perf_counter()
     composed = build(cm, chunks, reserve_tokens=params.max_tokens + len(close_ids))
@@ -76,6 +77,9 @@ def run(
     steps = generate(cm.engine, seq, params, cm.eos_token_ids, detok)
     try:
         for step in steps:
+            if isinstance(step, PrefillProgress):
+                yield step
+                continue
             last = step
             text.append(step.text)
             if step.finish_reason:
@@ -85,27 +89,35 @@ def run(
         steps.close()
     except GeneratorExit:
         steps.close()
-        _finish(cm, composed, chunks, prompt_len, "cancelled", close_ids, "".join(text), turn)
+        if last is None:
+            cm.engine.free(seq)
+        else:
+            _finish(cm, composed, chunks, prompt_len, "cancelled", close_ids, "".join(text), turn)
         raise
     generated = seq.token_ids[prompt_len:]  # before the turn is closed
-    result = _finish(cm, composed, chunks, prompt_len, finish, close_ids, "".join(text), turn)
+    computed = min(seq.num_computed, prompt_len) - composed.num_reused - composed.num_repositioned
+    if last is None:  # cancelled during the prefill: what it computed stays cached, nothing is kept
+        cm.engine.free(seq)
+        result = None
+    else:
+        result = _finish(cm, composed, chunks, prompt_len, finish, close_ids, "".join(text), turn)
     stats = last.stats if last else None
     yield InferenceResult(
-        text=result.text,
+        text=result.text if result else "",
         token_ids=generated,
         finish_reason=finish,
-        output_number=result.output_number,
-        chunk_id=result.chunk_id,
+        output_number=result.output_number if result else None,
+        chunk_id=result.chunk_id if result else None,
         mode=cm.mode,
         prompt_tokens=prompt_len,
         reused_tokens=composed.num_reused,
         repositioned_tokens=composed.num_repositioned,
-        computed_tokens=prompt_len - composed.num_reused - composed.num_repositioned,
+        computed_tokens=computed,
         ttft_s=plan_s + (stats.ttft_s if stats else 0.0),
         prefill_tok_s=stats.prefill_tok_s if stats else 0.0,
         decode_tok_s=stats.decode_tok_s if stats else 0.0,
         chunks=composed.reports(),
-        had_think=result.had_think,
+        had_think=result.had_think if result else False,
     )
 
 

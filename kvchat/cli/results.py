@@ -8,13 +8,16 @@ from typing import Any
 
 from kvchat.chunks.types import ChunkInfo, InferenceResult, StepEvent
 from kvchat.cli.registry import Command
+from kvchat.engine.generate import PrefillProgress
 
 
 @dataclass(frozen=True)
 class Inference:
     """A generation to run: the runner consumes the stream, the UI shows it as it comes."""
 
-    stream: Iterator[StepEvent | InferenceResult]  # a generator: the runner throws Ctrl-C into it
+    stream: Iterator[
+        PrefillProgress | StepEvent | InferenceResult
+    ]  # a generator: the runner throws Ctrl-C into it
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from kvchat.cli.commands import Shell
 from kvchat.cli.registry import split_command
 from kvchat.cli.results import Inference, Quit
 from kvchat.cli.ui import UI
+from kvchat.engine.generate import PrefillProgress
 from kvchat.errors import KvchatError
 
 
@@ -40,7 +41,8 @@ def run_line(shell: Shell, ui: UI, line: str, lineno: int | None = None) -> Stat
 
 
 def consume(
-    stream: Iterator[StepEvent | InferenceResult], on_step: Callable[[StepEvent], None]
+    stream: Iterator[PrefillProgress | StepEvent | InferenceResult],
+    on_step: Callable[[PrefillProgress | StepEvent], None],
 ) -> InferenceResult:
     """Drive an inference stream to its InferenceResult, showing each step.
 
@@ -63,7 +65,8 @@ def consume(
 
 
 def _drain(
-    item: StepEvent | InferenceResult, stream: Iterator[StepEvent | InferenceResult]
+    item: PrefillProgress | StepEvent | InferenceResult,
+    stream: Iterator[PrefillProgress | StepEvent | InferenceResult],
 ) -> InferenceResult:
     # After a throw the contract is an immediate result; tolerate stray steps without showing them.
     while not isinstance(item, InferenceResult):

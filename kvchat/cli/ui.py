@@ -16,6 +16,7 @@ from rich.theme import Theme
 from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceResult, StepEvent
 from kvchat.cli import jsonout, views
 from kvchat.cli.results import ChunkChange, ChunkList, HelpView, Notice, OutputList, Quit, SettingsView
+from kvchat.engine.generate import PrefillProgress
 
 if TYPE_CHECKING:
     from kvchat.models.progress import ProgressCallback
@@ -54,11 +55,18 @@ class UI:
         self.json_lines = json_lines
         self.debug = debug
         self._open_kind: str | None = None  # "text"/"thinking" while a streamed line is unfinished
+        self._prefill_bar: Progress | None = None
+        self._prefill_task = TaskID(0)
 
-    def step(self, event: StepEvent, show_thinking: bool = True) -> None:
-        """Print one streamed delta; thinking text dim, or not at all when hidden."""
+    def step(self, event: PrefillProgress | StepEvent, show_thinking: bool = True) -> None:
+        """Print one streamed delta (thinking text dim, or not at all when hidden), or move the
+        progress bar of a long prefill."""
         if self.json_lines:
             return
+        if isinstance(event, PrefillProgress):
+            self._prefill_progress(event)
+            return
+        self._end_prefill()
         if event.thinking and show_thinking:
             self._stream(event.thinking, "thinking")
         if event.text:
@@ -70,6 +78,21 @@ class UI:
         self.console.out(delta, end="", style="thinking" if kind == "thinking" else None, highlight=False)
         self._open_kind = None if delta.endswith("\n") else kind
 
+    def _prefill_progress(self, event: PrefillProgress) -> None:
+        if not self.err_console.is_terminal:
+            return
+        if self._prefill_bar is None:
+            columns = (TextColumn("prefill"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"))
+            self._prefill_bar = Progress(*columns, console=self.err_console, transient=True)
+            self._prefill_bar.start()
+            self._prefill_task = self._prefill_bar.add_task("prefill", total=event.total)
+        self._prefill_bar.update(self._prefill_task, completed=event.done, total=event.total)
+
+    def _end_prefill(self) -> None:
+        if self._prefill_bar is not None:
+            self._prefill_bar.stop()
+            self._prefill_bar = None
+
     def _end_stream(self) -> None:
         if self._open_kind is not None:
             self.console.out("")
@@ -77,6 +100,7 @@ class UI:
 
     def show(self, cmd: str, record: object, line: int | None = None) -> None:
         """Render the record a command returned."""
+        self._end_prefill()
         self._end_stream()
         if self.json_lines:
             self._json(jsonout.result_json(cmd, record, line))

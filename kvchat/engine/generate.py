@@ -35,6 +35,14 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
+class PrefillProgress:
+    """A prompt longer than one prefill piece reports each piece before the first token."""
+
+    done: int  # prompt tokens computed so far by this prefill
+    total: int  # prompt tokens this prefill computes
+
+
+@dataclass(frozen=True)
 class GenerationStep:
     token_id: int
     text: str  # answer text that became final with this token
@@ -75,7 +83,7 @@ def generate(
     params: SamplingParams,
     eos_token_ids: frozenset[int],
     detokenizer: StreamDetokenizer,
-) -> Iterator[GenerationStep]:
+) -> Iterator[PrefillProgress | GenerationStep]:
     """Sample up to `params.max_tokens` tokens after the sequence's tokens, appending them to it.
 
     The last sampled token is appended without its KV (nothing reads it unless the caller computes
@@ -87,6 +95,9 @@ def generate(
     use_seen = params.repetition_penalty != 1.0
     seen = torch.tensor(seq.token_ids, device=engine.device) if use_seen else None  # (T,)
     t0 = time.perf_counter()
+    while seq.num_tokens - seq.num_computed > engine.prefill_chunk:
+        engine.compute(seq, until=seq.num_computed + engine.prefill_chunk)
+        yield PrefillProgress(seq.num_computed - reused, prompt_tokens - reused)
     logits = engine.compute(seq)  # (V,)
     t_prefill = time.perf_counter() - t0
     ttft = decode_s = 0.0
