@@ -9,21 +9,18 @@ that same prefix; the table shows the median decode tokens/s and its ratio to mo
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from bench_common import load, model_parser
+from transformers import DynamicCache
 
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.sampling import SamplingParams
-from kvchat.models.packaged import ensure_converted
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def prompt_of(tokenizer, num_tokens: int) -> list[int]:
@@ -77,22 +74,12 @@ def bench_kvchat(model, tokenizer, prompt: list[int], tokens: int, repeats: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", help="a local model folder (default: the packaged SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser = model_parser(__doc__)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    folder = args.model or ensure_converted()
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=DTYPES[args.dtype], attn_implementation="sdpa"
-    ).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    folder, model, tokenizer = load(args)
     print(f"model={folder} dtype={args.dtype} threads={args.threads} tokens={args.tokens} x{args.repeats}")
     print("| context | variant | median tok/s | min | max | vs model.generate |")
     print("|---:|---|---:|---:|---:|---:|")

@@ -14,15 +14,13 @@ leading greedy tokens that agree.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib
 import inspect
 import random
 import statistics
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from bench_common import load, model_parser
 
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
@@ -30,9 +28,7 @@ from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import InferenceResult, ReuseMode
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
-from kvchat.models.packaged import ensure_converted
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SOURCES = [
     "argparse",
     "subprocess",
@@ -101,12 +97,7 @@ def reuse(cm: ContextManager, docs: list[str], seed: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", help="a local model folder (default: the packaged SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser = model_parser(__doc__)
     parser.add_argument("--context-tokens", type=int, default=2000)
     parser.add_argument("--verify-tokens", type=int, default=16)
     parser.add_argument("--seeds", type=int, default=3, help="compositions of each kind")
@@ -115,12 +106,7 @@ def main() -> None:
         "--modes", nargs="+", choices=[m.value for m in ReuseMode], default=[m.value for m in ReuseMode]
     )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    folder = args.model or ensure_converted()
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=DTYPES[args.dtype], attn_implementation="sdpa"
-    ).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    folder, model, tokenizer = load(args)
     docs = passages(tokenizer, args.context_tokens)
     modes = [ReuseMode(m) for m in args.modes]
     rows: dict[ReuseMode, list] = {mode: [] for mode in modes}
