@@ -89,18 +89,11 @@ def run(
         steps.close()
     except GeneratorExit:
         steps.close()
-        if last is None:
-            cm.engine.free(seq)
-        else:
-            _finish(cm, composed, chunks, prompt_len, "cancelled", close_ids, "".join(text), turn)
+        _settle(cm, composed, chunks, prompt_len, None if last is None else "cancelled", "".join(text), turn)
         raise
     generated = seq.token_ids[prompt_len:]  # before the turn is closed
     computed = min(seq.num_computed, prompt_len) - composed.num_reused - composed.num_repositioned
-    if last is None:  # cancelled during the prefill: what it computed stays cached, nothing is kept
-        cm.engine.free(seq)
-        result = None
-    else:
-        result = _finish(cm, composed, chunks, prompt_len, finish, close_ids, "".join(text), turn)
+    result = _settle(cm, composed, chunks, prompt_len, None if last is None else finish, "".join(text), turn)
     stats = last.stats if last else None
     yield InferenceResult(
         text=result.text if result else "",
@@ -121,9 +114,15 @@ def run(
     )
 
 
-def _finish(cm, composed, chunks, prompt_len, finish, close_ids, text, turn) -> Chunk:
-    """Close the assistant turn, compute the KV still missing, and retain the output."""
+def _settle(cm, composed, chunks, prompt_len, finish: str | None, text, turn) -> Chunk | None:
+    """Close the assistant turn, compute the KV still missing, and retain the output. With no
+    token generated (`finish` None: cancelled in the prefill) nothing is kept; what the prefill
+    computed stays cached."""
     engine, seq = cm.engine, composed.seq
+    if finish is None:
+        engine.free(seq)
+        return None
+    close_ids = cm.format.assistant_close_ids()
     generated = seq.token_ids[prompt_len:]
     if finish == "stop" and generated and generated[-1] == close_ids[0]:
         engine.extend(seq, close_ids[1:])
