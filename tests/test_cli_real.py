@@ -27,9 +27,18 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
+def user_env(home) -> dict[str, str]:
+    """A fresh user (no config, no history) who shares this machine's converted model cache."""
+    from kvchat.models.packaged import cache_dir
+
+    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config")}
+    env["KVCHAT_CACHE_DIR"] = str(cache_dir())
+    env.pop("KVCHAT_CONFIG", None)
+    return env
+
+
 def kvchat(args, stdin: bytes, home) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "KVCHAT_CONFIG": ""}
-    env.pop("KVCHAT_CONFIG")
+    env = user_env(home)
     return subprocess.run(KVCHAT + args, input=stdin, capture_output=True, env=env, timeout=300)
 
 
@@ -114,8 +123,7 @@ def test_packaged_smollm2_answers_and_reuses(tmp_path):
 
 
 def test_interactive_terminal(tmp_path):
-    env = {**os.environ, "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / ".config"), "TERM": "xterm"}
-    env.pop("KVCHAT_CONFIG", None)
+    env = {**user_env(tmp_path), "TERM": "xterm"}
     child = pexpect.spawn(
         KVCHAT[0],
         KVCHAT[1:] + ["--max-tokens", "400"],
