@@ -1,15 +1,15 @@
-"""Qwen3 thinking through the whole stack: a tiny Qwen3 with the real Qwen tokenizer, its logits
-steered to emit a scripted answer with a <think> span."""
+"""Qwen through the whole stack: tiny Qwen2/Qwen3 models with the real Qwen tokenizer and templates."""
 
 import torch
 
 from kvchat.chunks.context import ContextManager
+from kvchat.chunks.inference import build
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import InferenceResult, StepEvent
+from kvchat.chunks.types import InferenceResult, Role, StepEvent
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
 from tests.tiny_models import make_tiny_model
-from tests.tokenizers import load_qwen3_tokenizer
+from tests.tokenizers import load_qwen3_tokenizer, load_qwen25_tokenizer
 
 THINK, END_THINK, IM_END = 151667, 151668, 151645
 
@@ -51,3 +51,22 @@ def test_think_spans_stream_apart_leave_the_text_and_stay_in_the_kv():
     output = cm.registry.output(result.output_number)
     assert THINK in output.token_ids and END_THINK in output.token_ids  # the KV keeps the span
     assert output.span is not None and output.span.num_tokens == len(output.token_ids)
+
+
+def test_qwen25_default_system_prompt_is_an_explicit_chunk_and_exact_reuse_holds():
+    tokenizer = load_qwen25_tokenizer()
+    model = make_tiny_model("qwen2", vocab_size=len(tokenizer))
+    engine = Engine(model, kv_memory_bytes=1 << 24, block_size=8)
+    cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({IM_END, 151643}))
+    cm.add_context("Qwen2.5 inserts a system prompt when none is given.")
+    cm.set_query("What does it insert?")
+    system = cm.context_chunks()[0]
+    assert system.role is Role.SYSTEM and system.is_default
+    assert system.text == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    cm.infer_blocking(SamplingParams(max_tokens=4))
+    cm.set_query("And when one is given?")
+    composed = build(cm, cm.context_chunks())
+    logits = engine.compute(composed.seq)
+    with torch.inference_mode():
+        full = model(input_ids=torch.tensor([composed.seq.token_ids])).logits[0, -1]
+    assert composed.num_reused > len(system.token_ids) and (logits - full).abs().max() <= 1e-4
