@@ -7,12 +7,13 @@ from enum import StrEnum
 
 
 class Role(StrEnum):
+    """What a chunk is. A conversation's assistant turns are OUTPUT chunks: every answer is kept."""
+
     SYSTEM = "system"
     CONTEXT = "context"
     QUERY = "query"
     OUTPUT = "output"
     USER = "user"
-    ASSISTANT = "assistant"
 
 
 class ReuseMode(StrEnum):
