@@ -209,13 +209,15 @@ def _coerce(raw: object, field_type: object) -> object:
     if field_type is int:
         return raw if isinstance(raw, int) and not isinstance(raw, bool) else _INVALID
     if field_type is float:
-        ok = isinstance(raw, int | float) and not isinstance(raw, bool)
-        return float(raw) if ok else _INVALID
+        if isinstance(raw, int | float) and not isinstance(raw, bool):
+            return float(raw)
+        return _INVALID
     if field_type is str:
         return raw if isinstance(raw, str) else _INVALID
     if typing.get_origin(field_type) is tuple:
-        ok = isinstance(raw, list | tuple) and all(isinstance(item, str) for item in raw)
-        return tuple(raw) if ok else _INVALID
+        if isinstance(raw, list | tuple) and all(isinstance(item, str) for item in raw):
+            return tuple(raw)
+        return _INVALID
     raise AssertionError(f"unsupported setting type {field_type}")
 
 
@@ -270,5 +272,5 @@ def _type_name(field_type: object) -> str:
         return f"{_type_name(_non_none(field_type))} or none"
     if typing.get_origin(field_type) is tuple:
         return "a list of strings"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    names: dict[object, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     return names.get(field_type, str(field_type))

@@ -154,10 +154,12 @@ class ContextManager:
     def infer_blocking(self, params: SamplingParams) -> InferenceResult:
         """`infer` without streaming: the InferenceResult alone."""
         *_, result = self.infer(params)
+        assert isinstance(result, InferenceResult)
         return result
 
     def chat_blocking(self, text: str, params: SamplingParams) -> InferenceResult:
         *_, result = self.chat(text, params)
+        assert isinstance(result, InferenceResult)
         return result
 
     def verify(self, num_tokens: int = 16) -> FidelityReport:

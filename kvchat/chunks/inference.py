@@ -51,10 +51,10 @@ def build(
 
 
 def _what_to_delete(cm: ContextManager) -> str:
-    outputs = [c for c in cm.registry.outputs() if c.span is not None]
-    if not outputs:
+    kept = [(c.output_number, len(c.span.block_ids)) for c in cm.registry.outputs() if c.span is not None]
+    if not kept:
         return "Nothing is kept that could be deleted; raise --kv-memory or lower --max-tokens."
-    listed = ", ".join(f"/delete-output {c.output_number} ({len(c.span.block_ids)} blocks)" for c in outputs)
+    listed = ", ".join(f"/delete-output {number} ({blocks} blocks)" for number, blocks in kept)
     return f"Kept outputs that could be deleted: {listed}"
 
 

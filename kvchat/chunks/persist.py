@@ -178,6 +178,7 @@ def _restore_span(cm: ContextManager, chunk: Chunk, span: dict, tensors: dict[st
     engine = cm.engine
     start, end = span["start_pos"], span["start_pos"] + span["num_tokens"]
     if span["where"] == "live":
+        assert cm.live is not None, "a span in the live sequence of a file that has none"
         return KVSpan.of(engine.blocks, cm.live, start, end, span["exact"], span["pinned"])
     seq = engine.start(chunk.token_ids, reuse=False)
     engine.write_kv(seq, 0, tensors[f"span.{chunk.chunk_id}.keys"], tensors[f"span.{chunk.chunk_id}.values"])

@@ -78,9 +78,8 @@ class ChunkRegistry:
         )
 
     def outputs(self) -> list[Chunk]:
-        return sorted(
-            (c for c in self.chunks.values() if c.output_number is not None), key=lambda c: c.output_number
-        )
+        numbered = {c.output_number: c for c in self.chunks.values() if c.output_number is not None}
+        return [numbered[n] for n in sorted(numbered)]
 
     def remove(self, chunk_id: str) -> Chunk:
         return self.chunks.pop(chunk_id)

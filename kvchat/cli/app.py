@@ -92,7 +92,7 @@ def _flag_parameter(flag: Flag) -> inspect.Parameter:
     # Every flag defaults to None, "not given", so only the flags a user typed override the settings.
     decls = flag.decls or ("--" + flag.name.replace("_", "-"),)
     option = typer.Option(*decls, help=flag.help, show_default=False)
-    annotation = Annotated[flag.type | None, option]
+    annotation = Annotated[flag.type | None, option]  # type: ignore[name-defined]  # built at run time
     return inspect.Parameter(flag.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +83,7 @@ def generate(
     params: SamplingParams,
     eos_token_ids: frozenset[int],
     detokenizer: StreamDetokenizer,
-) -> Iterator[PrefillProgress | GenerationStep]:
+) -> Generator[PrefillProgress | GenerationStep, None, None]:
     """Sample up to `params.max_tokens` tokens after the sequence's tokens, appending them to it.
 
     The last sampled token is appended without its KV (nothing reads it unless the caller computes
@@ -121,7 +121,7 @@ def generate(
                 text += stops.feed(tail_text)[0] + stops.flush()
             thinking += tail_thinking
         else:
-            if use_seen:
+            if seen is not None:
                 seen = torch.cat([seen, torch.tensor([token], device=engine.device)])
             logits = engine.compute(seq)
         decode_s += time.perf_counter() - t_step  # the consumer's time between steps is not counted

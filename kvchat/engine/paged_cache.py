@@ -100,6 +100,7 @@ class ForwardCache(Cache):
         ws_k[:, :, self.start : end] = keys
         ws_v[:, :, self.start : end] = values
         if self.pool is not None:
+            assert self.slots is not None
             self.pool.write(layer, self.slots, keys, values)
         if layer == self.workspace.num_layers - 1:
             self.workspace.length = end

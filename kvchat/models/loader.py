@@ -76,7 +76,7 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
         else:
             model, tokenizer = _load_hub(source.location, dtype)
     try:
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers types `to` for a model argument
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()

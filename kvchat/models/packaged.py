@@ -98,7 +98,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: ProgressCallback | No
         # The GGUF tokenizer claims an unbounded length; the model's real limit is its RoPE range.
         tokenizer.model_max_length = model.config.max_position_embeddings
         # The weights are plain tensors now; drop the GGUF quantizer so save_pretrained accepts them.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module's __setattr__ typing
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(out_dir)
