@@ -14,8 +14,8 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
+from tests.hf_tokenizers import load_smollm2_tokenizer
 from tests.tiny_models import make_tiny_model
-from tests.tokenizers import load_smollm2_tokenizer
 
 WORDS = "the cat sat on a mat while rain fell over quiet hills and rivers ran to the sea".split()
 GREEDY = SamplingParams(max_tokens=8)

@@ -16,8 +16,8 @@ from kvchat.chunks.types import ReuseMode
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import KvchatError
+from tests.hf_tokenizers import load_smollm2_tokenizer
 from tests.tiny_models import make_tiny_model
-from tests.tokenizers import load_smollm2_tokenizer
 
 MODEL = make_tiny_model("qwen2", vocab_size=49152, seed=1)
 TEXTS = st.lists(

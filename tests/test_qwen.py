@@ -8,8 +8,8 @@ from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import InferenceResult, Role, StepEvent
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
+from tests.hf_tokenizers import load_qwen3_tokenizer, load_qwen25_tokenizer
 from tests.tiny_models import make_tiny_model
-from tests.tokenizers import load_qwen3_tokenizer, load_qwen25_tokenizer
 
 THINK, END_THINK, IM_END = 151667, 151668, 151645
 

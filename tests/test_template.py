@@ -8,7 +8,7 @@ import pytest
 
 from kvchat.chunks.template import CHATML_TEMPLATE, ChatFormat
 from kvchat.errors import ChunkError
-from tests.tokenizers import (
+from tests.hf_tokenizers import (
     load_qwen3_tokenizer,
     load_qwen25_tokenizer,
     load_smollm2_tokenizer,

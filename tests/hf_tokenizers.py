@@ -1,13 +1,10 @@
 """Real tokenizers for tests, loaded offline from installed pip packages and cached per session.
 
 Use the loaders directly, or the session fixtures after importing them into a test module:
-`from tests.tokenizers import qwen3_tokenizer  # noqa: F401 (pytest fixture)`.
+`from tests.hf_tokenizers import qwen3_tokenizer  # noqa: F401 (pytest fixture)`.
 The tokenizers are shared by every test: don't mutate them (render another template by passing
 `chat_template=` to apply_chat_template instead).
 """
-
-# This file is importable only as tests.tokenizers (tests/ is a package): were tests/ put on
-# sys.path, it would shadow the `tokenizers` library that transformers imports.
 
 from __future__ import annotations
 
