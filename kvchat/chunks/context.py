@@ -25,6 +25,7 @@ from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
 from kvchat.errors import CacheFullError, ChunkError
+from kvchat.models.device import resolved_settings
 
 InferenceStream = Generator[PrefillProgress | StepEvent | InferenceResult, None, None]
 
@@ -209,6 +210,10 @@ class ContextManager:
             had_think=chunk.had_think,
             source=" ".join(chunk.source_ids) or None,
         )
+
+    def resolved_settings(self) -> dict[str, str]:
+        """What the model settings resolved to: `{"model.dtype": "bf16", ...}` (`auto` made concrete)."""
+        return resolved_settings(self.model_id, self.engine.dtype, self.engine.device)
 
     def stats(self) -> CacheStats:
         blocks = self.engine.blocks

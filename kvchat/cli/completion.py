@@ -10,7 +10,7 @@ from prompt_toolkit.document import Document
 from kvchat.chunks.types import ReuseMode
 from kvchat.cli.commands import Shell
 from kvchat.cli.registry import PREFIX, ArgKind
-from kvchat.cli.settings import setting_values
+from kvchat.cli.settings import setting_values, shown_value
 from kvchat.cli.views import preview
 from kvchat.errors import KvchatError
 
@@ -54,7 +54,7 @@ class ShellCompleter(Completer):
             by_number = [(str(c.number), f"{c.role}: {preview(c.text, 36)}") for c in chunks]
             return by_number + [(c.chunk_id, f"#{c.number} {c.role}") for c in chunks]
         if kind is ArgKind.SETTING:
-            return [(key, str(value)) for key, value in setting_values(self.shell.settings).items()]
+            return [(key, shown_value(value)) for key, value in setting_values(self.shell.settings).items()]
         if kind is ArgKind.MODE:
             return [(mode.value, "") for mode in ReuseMode]
         if kind is ArgKind.COMMAND:

@@ -11,6 +11,7 @@ import torch
 from kvchat.errors import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _CPUINFO = Path("/proc/cpuinfo")
 
@@ -55,6 +56,16 @@ def choose_dtype(name: str, device: torch.device, stored: torch.dtype | None = N
 def cpu_has_native_bf16() -> bool:
     """True when the CPU has bf16 instructions (torch's capability string stops at "AVX512")."""
     return any(flag in _cpu_flags() for flag in _CPU_BF16_FLAGS)
+
+
+def resolved_settings(model_id: str, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
+    """What the model settings resolved to in this process (`auto` dtype and device, 0 threads)."""
+    return {
+        "model.model": model_id,
+        "model.dtype": DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+        "model.device": str(device),
+        "model.threads": str(torch.get_num_threads()),
+    }
 
 
 def apply_threads(num_threads: int) -> int:
