@@ -101,9 +101,13 @@ class ModelSettings:
 class CacheSettings:
     """The paged KV cache's size and the prefill step."""
 
-    kv_memory_mb: int = setting(512, "Memory for the paged KV cache, in MiB.", flag="--kv-memory", range=Range(1))
+    kv_memory_mb: int = setting(
+        512, "Memory for the paged KV cache, in MiB.", flag="--kv-memory", range=Range(1)
+    )
     block_size: int = setting(16, "Tokens per KV block.", flag="--block-size", range=Range(1, 1024))
-    prefill_chunk: int = setting(512, "Most tokens sent through the model in one prefill pass.", range=Range(1))
+    prefill_chunk: int = setting(
+        512, "Most tokens sent through the model in one prefill pass.", range=Range(1)
+    )
 
 
 @dataclass(frozen=True)
@@ -147,7 +151,11 @@ class SamplingParams:
         256, "Most tokens generated per answer.", live=True, flag="--max-tokens", range=Range(1)
     )
     seed: int | None = setting(
-        None, "Random seed for sampling; unset, a fresh seed each run.", live=True, flag="--seed", range=Range(0)
+        None,
+        "Random seed for sampling; unset, a fresh seed each run.",
+        live=True,
+        flag="--seed",
+        range=Range(0),
     )
     stop: tuple[str, ...] = setting((), "Strings that end an answer.", live=True)
 

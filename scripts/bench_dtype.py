@@ -48,7 +48,9 @@ TEXT = (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", help="a local model folder (default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per answer")
     parser.add_argument("--threads", type=int, default=1)
@@ -75,7 +77,9 @@ def main() -> None:
     print(f"leading tokens that agree: {leading} of {total} ({leading / total:.0%})")
     ids = torch.tensor([tokenizer.encode(TEXT)])  # (1, T)
     with torch.inference_mode():
-        logits = {name: model(input_ids=ids).logits[0, :-1].float() for name, model in models.items()}  # (T-1, V)
+        logits = {
+            name: model(input_ids=ids).logits[0, :-1].float() for name, model in models.items()
+        }  # (T-1, V)
     targets = ids[0, 1:]  # (T-1,)
     for name, rows in logits.items():
         nll = torch.nn.functional.cross_entropy(rows, targets)

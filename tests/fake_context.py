@@ -275,7 +275,12 @@ class FakeContextManager:
         )
 
     def resolved_settings(self) -> dict[str, str]:
-        return {"model.model": self.model_id, "model.dtype": "fp32", "model.device": "cpu", "model.threads": "1"}
+        return {
+            "model.model": self.model_id,
+            "model.dtype": "fp32",
+            "model.device": "cpu",
+            "model.threads": "1",
+        }
 
     def stats(self) -> CacheStats:
         used = sum(c.info.num_blocks for c in self._chunks.values())

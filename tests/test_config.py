@@ -214,5 +214,7 @@ def test_flag_errors_name_the_flag_and_set_errors_the_key() -> None:
 
 def test_format_value_is_toml() -> None:
     for value in (True, "bf16", ("a", 'q"uote'), 0.15, 16):
-        assert tomllib.loads(f"v = {format_value(value)}")["v"] == (list(value) if isinstance(value, tuple) else value)
+        assert tomllib.loads(f"v = {format_value(value)}")["v"] == (
+            list(value) if isinstance(value, tuple) else value
+        )
     assert format_value(None) == "none"

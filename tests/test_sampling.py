@@ -266,7 +266,9 @@ def test_no_vocabulary_sort_without_top_p(monkeypatch, params):
 def test_extreme_values_give_a_token_in_the_vocabulary(temperature, penalty):
     logits = torch.randn(1000) * 10  # (V,)
     seen = torch.arange(0, 1000, 3)  # (T,)
-    params = SamplingParams(temperature=temperature, repetition_penalty=penalty, top_p=0.9, min_p=0.05, seed=0)
+    params = SamplingParams(
+        temperature=temperature, repetition_penalty=penalty, top_p=0.9, min_p=0.05, seed=0
+    )
     sampler = make_sampler(params)
     for _ in range(20):
         assert 0 <= sampler.sample(logits, seen) < logits.numel()

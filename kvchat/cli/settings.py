@@ -18,7 +18,7 @@ def setting_values(settings: Settings) -> dict[str, Any]:
 
 
 def setting_info(key: str) -> SettingInfo:
-    """The declaration of `key` (`table.key`, or a bare key unique across tables); ConfigError when unknown."""
+    """The declaration of `key` (`table.key`, or a bare key unique across tables); ConfigError if unknown."""
     return all_settings()[".".join(config.resolve_key(key))]
 
 
