@@ -95,22 +95,21 @@ def setting_flags(flags: dict[str, Any]) -> dict[str, object]:
     return {flag.setting: flags.get(flag.name) for flag in FLAGS if flag.setting}
 
 
-class _SwitchHelp:
-    """Shows --help as the switch it is (typer lists its type, `<bool>`, as if it took a value)."""
-
-    def get_help_option(self, ctx: typer.Context) -> Any:
-        option = super().get_help_option(ctx)  # type: ignore[misc]  # a mixin before a typer class
-        if option is not None:
-            option.metavar = ""
-        return option
+# Both show --help as the switch it is (typer lists its type, `<bool>`, as if it took a value).
+class _Group(TyperGroup):
+    def get_help_option(self, ctx: Any) -> Any:
+        return _as_switch(super().get_help_option(ctx))
 
 
-class _Group(_SwitchHelp, TyperGroup):
-    pass
+class _Command(TyperCommand):
+    def get_help_option(self, ctx: Any) -> Any:
+        return _as_switch(super().get_help_option(ctx))
 
 
-class _Command(_SwitchHelp, TyperCommand):
-    pass
+def _as_switch(option: Any) -> Any:
+    if option is not None:
+        option.metavar = ""
+    return option
 
 
 def make_app(open_session: SessionFactory | None = None) -> typer.Typer:
