@@ -25,7 +25,7 @@ from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
 from kvchat.errors import CacheFullError, ChunkError
-from kvchat.models.device import resolved_settings
+from kvchat.models.device import describe_runtime
 
 InferenceStream = Generator[PrefillProgress | StepEvent | InferenceResult, None, None]
 
@@ -213,7 +213,7 @@ class ContextManager:
 
     def resolved_settings(self) -> dict[str, str]:
         """What the model settings resolved to: `{"model.dtype": "bf16", ...}` (`auto` made concrete)."""
-        return resolved_settings(self.model_id, self.engine.dtype, self.engine.device)
+        return describe_runtime(self.model_id, self.engine.dtype, self.engine.device)
 
     def stats(self) -> CacheStats:
         blocks = self.engine.blocks

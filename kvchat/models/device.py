@@ -56,7 +56,7 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in _cpu_flags() for flag in _CPU_BF16_FLAGS)
 
 
-def resolved_settings(model_id: str, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
+def describe_runtime(model_id: str, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
     """What the model settings resolved to in this process (`auto` dtype and device, 0 threads)."""
     return {
         "model.model": model_id,
