@@ -276,3 +276,11 @@ def test_help_imports_no_torch(args):
 def _env():
     root = str(Path(__file__).resolve().parent.parent)
     return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
+def test_a_switch_undoes_what_the_config_file_turned_on(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[ui]\njson = true\n")
+    result, factory = invoke(["--config", str(config), "--no-json"], stdin="/stats\n")
+    assert result.exit_code == 0 and factory.settings.ui.json is False
+    assert "hit rate" in result.stdout

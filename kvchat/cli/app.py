@@ -54,7 +54,8 @@ def _setting_flag(info: SettingInfo) -> Flag:
     extra += [info.spec.note] if info.spec.note else []
     if extra:
         help = f"{help.removesuffix('.')} ({'; '.join(extra)})."
-    decls = (f"{flag}/--no-{flag[2:]}",) if info.key == "ui.color" else (flag,)
+    # A switch has its negative too, to undo what a config file turned on.
+    decls = (f"{flag}/--no-{flag[2:]}",) if info.value_type is bool else (flag,)
     return Flag(flag[2:].replace("-", "_"), info.value_type, help, decls, flag)
 
 
