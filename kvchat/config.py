@@ -73,7 +73,7 @@ def load_settings(
     for flag, raw in (flags or {}).items():
         info = _by_flag()[flag]
         if raw is not None:
-            values[info.table][info.name] = _checked(info, raw, f"{flag} {_shown(raw)}")
+            values[info.table][info.name] = _checked(info, raw, f"{flag} {raw}")
     return Settings(**{table: cls(**values[table]) for table, cls in TABLES.items()})
 
 

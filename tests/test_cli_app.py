@@ -239,7 +239,8 @@ def test_run_dash_reads_stdin():
         (["--top-p", "1.5"], "kvchat: --top-p 1.5 must be in (0, 1]"),
         (["--temperature", "nan"], "kvchat: --temperature nan must be a finite number"),
         (["--min-p", "1"], "kvchat: --min-p 1.0 must be in [0, 1)"),
-        (["--dtype", "int8"], 'kvchat: --dtype "int8" must be one of auto, bf16, fp32, fp16'),
+        (["--dtype", "int8"], "kvchat: --dtype int8 must be one of auto, bf16, fp32, fp16"),
+        (["--model", " "], "kvchat: --model   must not be empty"),
     ],
 )
 def test_bad_flags_are_named(args, message):
