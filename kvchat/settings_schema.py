@@ -155,7 +155,7 @@ class SamplingParams:
         "Random seed for sampling; unset, a fresh seed each run.",
         live=True,
         flag="--seed",
-        range=Range(0),
+        range=Range(0, 2**64 - 1),  # what torch.Generator.manual_seed takes
     )
     stop: tuple[str, ...] = setting((), "Strings that end an answer.", live=True)
 

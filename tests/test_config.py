@@ -170,7 +170,7 @@ def test_replace_setting_parses_each_type() -> None:
         ("color", "maybe", "true or false"),
         ("top_p", "0", "(0, 1]"),
         ("dtype", "int8", "auto"),
-        ("seed", "-3", ">= 0"),
+        ("seed", "-3", "in [0, 18446744073709551615]"),
         ("stop", "[1, 2]", "list of strings"),
     ],
 )

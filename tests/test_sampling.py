@@ -1,7 +1,10 @@
+import dataclasses
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -294,3 +297,27 @@ def test_what_the_config_accepts_the_sampler_accepts():
 
     for key, text in [("min_p", "0.999"), ("top_p", "1e-9"), ("temperature", "1e-40"), ("top_k", "0")]:
         make_sampler(replace_setting(Settings(), key, text).sampling)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["temperature", "top_p", "min_p", "repetition_penalty", "top_k", "max_tokens", "seed"]),
+    st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5)),
+)
+def test_set_accepts_exactly_what_the_sampler_accepts(name, number):
+    from kvchat.config import Settings, replace_setting
+    from kvchat.errors import ConfigError
+
+    if name in ("top_k", "max_tokens", "seed"):
+        number = int(number) if math.isfinite(number) else 0
+    try:
+        params = replace_setting(Settings(), name, repr(number)).sampling
+        accepted_by_set = True
+    except ConfigError:
+        params, accepted_by_set = dataclasses.replace(SamplingParams(), **{name: number}), False
+    try:
+        make_sampler(params)
+        accepted_by_sampler = True
+    except ValueError:
+        accepted_by_sampler = False
+    assert accepted_by_set == accepted_by_sampler, (name, number)
