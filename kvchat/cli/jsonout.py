@@ -36,7 +36,8 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
     - verify: `fidelity` with `mode`, `kl_divergence`, `top1_agree`, `top5_overlap`,
       `max_logit_diff`, `greedy_agree`, `greedy_tokens`, `top1_rate`, `reused_tokens`, `repositioned_tokens`,
       `computed_tokens`.
-    - set: `settings` ({"table.key": value}) when listing; `key` and `value` when changing one.
+    - set: `settings` ({"table.key": value}) and `resolved` (what `auto` model settings resolved to,
+      {"model.dtype": "bf16", ...}) when listing; `key` and `value` when changing one.
     - mode: `mode`. save, load: `path`, `num_chunks`. clear, reset: `message`.
     - help: `commands`, a list of {`name`, `usage`, `summary`, `aliases`}; `/help NAME` adds `command`.
     - quit: nothing more.
@@ -78,8 +79,8 @@ def _fields(record: object) -> dict[str, Any]:
             return {"stats": {**asdict(record), "hit_rate": record.hit_rate}}
         case FidelityReport():
             return {"fidelity": asdict(record)}
-        case SettingsView(values=values):
-            return {"settings": values}
+        case SettingsView(values=values, resolved=resolved):
+            return {"settings": values, "resolved": resolved}
         case HelpView(commands=commands, topic=topic):
             topic_fields = {"command": _command_fields(topic)} if topic else {}
             return {"commands": [_command_fields(c) for c in commands], **topic_fields}
