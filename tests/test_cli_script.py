@@ -132,3 +132,15 @@ def test_json_prints_one_object_per_command():
     assert by_cmd["mode"]["mode"] == "exact"
     assert {c["name"] for c in by_cmd["help"]["commands"]} >= {"infer", "quit"}
     assert lines[-1]["ok"] is False and "invalid UTF-8" in lines[-1]["error"]
+
+
+def test_a_stray_block_close_is_an_error_not_a_chat_message():
+    got = commands(b"/system ok\n>>>\n/context <<<\ntext\n>>>\n  >>>\n")
+    assert got[0] == ScriptCommand(1, "/system ok")
+    assert got[1].lineno == 2 and got[1].text is None and "no block open" in got[1].error
+    assert got[2] == ScriptCommand(3, "/context\ntext")
+    assert got[3].lineno == 6 and got[3].text is None
+    h = make_harness(["Hi."])
+    assert run_script(h.shell, h.ui, io.BytesIO(b">>>\n")) == 1
+    assert h.take() == "error: line 1: >>> with no block open (a line ending in <<<)\n"
+    assert h.ctx.outputs() == []
