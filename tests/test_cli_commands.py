@@ -3,6 +3,7 @@
 import pytest
 
 from kvchat.chunks.types import ReuseMode
+from kvchat.cli.commands import MAX_FILE_BYTES
 from kvchat.cli.runner import Status
 from tests.fake_context import isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
 
@@ -226,3 +227,27 @@ def test_model_text_is_never_read_as_markup():
     h = make_harness(["[bold]not bold[/bold] and [red]"])
     h.run("hi")
     assert h.take().startswith("[bold]not bold[/bold] and [red]\n")
+
+
+def test_context_from_a_bad_file_is_one_clear_line(tmp_path):
+    huge = tmp_path / "huge.txt"
+    with huge.open("wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)  # sparse: no disk used
+    exact = tmp_path / "exact.txt"
+    exact.write_bytes(b"a" * MAX_FILE_BYTES)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"caf\xe9\n")
+    cases = {
+        "/dev/zero": "/dev/zero is larger than 16 MiB",
+        str(huge): "is larger than 16 MiB",
+        str(tmp_path): "is a directory, not a file",
+        str(tmp_path / "missing.txt"): "no such file",
+        str(latin): "is not UTF-8 text (byte 3)",
+    }
+    h = make_harness()
+    for path, message in cases.items():
+        assert h.run(f"/context @{path}") is Status.FAILED
+        out = h.take()
+        assert out.count("\n") == 1 and out.startswith("error: ") and message in out, out
+    assert h.ctx.chunks() == []
+    assert h.run(f"/context @{exact}") is Status.OK  # the limit itself is allowed

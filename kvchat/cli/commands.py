@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from kvchat.config import Settings
 
 # Settings the session reads as it goes; the others are read once, when kvchat starts.
+MAX_FILE_BYTES = 16 << 20  # the largest file /context @FILE reads
+
 LIVE_SETTINGS = ("sampling.", "reuse.mode", "reuse.verify_tokens", "ui.show_thinking")
 
 
@@ -189,14 +191,22 @@ def _count(arg: str) -> int:
 
 
 def _read_text(path: Path) -> str:
+    # At most one byte past the limit is read, so /dev/zero or a huge file cannot hang or fill memory.
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise CommandError(f"no such file: {path}") from None
+    except IsADirectoryError:
+        raise CommandError(f"{path} is a directory, not a file") from None
+    except OSError as exc:
+        raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise CommandError(f"{path} is larger than {MAX_FILE_BYTES >> 20} MiB")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CommandError(f"{path} is not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise CommandError(f"cannot read {path}: {exc.strerror}") from None
     if not text.strip():
         raise CommandError(f"{path} is empty")
     return text.rstrip("\n")
