@@ -114,6 +114,7 @@ class ContextManager:
         for chunk in list(self.registry.chunks.values()):
             self._delete(chunk)
         self.registry = ChunkRegistry()
+        self.engine.blocks.reset_stats()
 
     def delete_output(self, number: int) -> ChunkInfo:
         chunk = self.registry.output(number)
@@ -185,6 +186,7 @@ class ContextManager:
             place=placed.index(chunk_id) + 1 if chunk_id in placed else None,
             pinned=bool(span and span.pinned),
             output_number=chunk.output_number,
+            finish_reason=chunk.finish_reason,
         )
 
     def chunks(self) -> list[ChunkInfo]:

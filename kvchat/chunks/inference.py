@@ -139,6 +139,7 @@ def _settle(cm, composed, chunks, prompt_len, finish: str | None, text, turn) ->
         had_think=had_think,
         source_ids=tuple(c.chunk_id for c in chunks),
     )
+    output.finish_reason = finish
     if output.span is None or not output.span.is_valid(engine.blocks):
         output.span = KVSpan.of(engine.blocks, seq, start, seq.num_tokens, exact, pinned=True)
     for chunk, a, b in composed.chunk_ranges:

@@ -61,6 +61,7 @@ def save(cm: ContextManager, path: Path) -> int:
     for chunk in cm.registry.chunks.values():
         record = {k: getattr(chunk, k) for k in ("chunk_id", "number", "text", "token_ids", "output_number")}
         record |= {"role": chunk.role.value, "had_think": chunk.had_think, "is_default": chunk.is_default}
+        record["finish_reason"] = chunk.finish_reason
         record["source_ids"] = list(chunk.source_ids)
         span = chunk.span
         if span is not None and span.is_valid(engine.blocks):
@@ -83,16 +84,30 @@ def save(cm: ContextManager, path: Path) -> int:
         if live is None
         else {"token_ids": live.token_ids[: live.num_computed], "exact": live.exact_limit},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    _write(path, tensors, meta)
+    return len(records)
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Write atomically; a path that cannot take the file is one StateFileError naming why."""
+    if path.is_dir():
+        raise StateFileError(f"cannot save to {path}: it is a directory")
+    blocker = next((p for p in path.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise StateFileError(f"cannot save to {path}: {blocker} is a file, not a directory")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"kvchat": json.dumps(meta)})
         os.replace(tmp, path)
+    except (OSError, SafetensorError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise StateFileError(f"cannot save to {path}: {reason}") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-    return len(records)
 
 
 def _read(cm: ContextManager, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -107,6 +122,7 @@ def _read(cm: ContextManager, path: Path) -> tuple[dict, dict[str, torch.Tensor]
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise StateFileError(f"{path}: not a kvchat state file")
     mine = _layout(cm)
+    _check_meta(meta, tuple(mine), path)
     for key, want in mine.items():
         if key != "model_id" and meta["layout"].get(key) != want:
             raise StateFileError(
@@ -114,6 +130,34 @@ def _read(cm: ContextManager, path: Path) -> tuple[dict, dict[str, torch.Tensor]
                 f"(model {meta['layout'].get('model_id')!r}), this session has {key}={want!r}"
             )
     return meta, tensors
+
+
+_KEYS = {
+    "context": ("system", "middle", "turns", "query"),
+    "live": ("token_ids", "exact"),
+    "chunk": ("chunk_id", "number", "role", "text", "token_ids", "output_number", "had_think")
+    + ("source_ids", "is_default"),
+    "span": ("start_pos", "num_tokens", "exact", "pinned", "where"),
+}
+
+
+def _check_meta(meta: dict, layout_keys: tuple[str, ...], path: Path) -> None:
+    """Refuse metadata that lacks what `load` reads, before anything reads it."""
+    if not isinstance(meta.get("chunks"), list) or "live" not in meta:
+        raise StateFileError(f"{path}: damaged kvchat state file (no chunk list or live sequence)")
+    parts = [("layout", layout_keys, meta.get("layout")), ("context", _KEYS["context"], meta.get("context"))]
+    if meta["live"] is not None:
+        parts.append(("live", _KEYS["live"], meta["live"]))
+    for record in meta["chunks"]:
+        parts.append(("chunk", _KEYS["chunk"], record))
+        if isinstance(record, dict) and record.get("span") is not None:
+            parts.append(("span", _KEYS["span"], record["span"]))
+    for what, keys, part in parts:
+        missing = [k for k in keys if not isinstance(part, dict) or k not in part]
+        if missing:
+            raise StateFileError(f"{path}: damaged kvchat state file ({what} lacks {', '.join(missing)})")
+        if what == "chunk" and part["role"] not in {r.value for r in Role}:
+            raise StateFileError(f"{path}: damaged kvchat state file (unknown role {part['role']!r})")
 
 
 def _check_shapes(cm: ContextManager, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
@@ -156,6 +200,7 @@ def load(cm: ContextManager, path: Path) -> int:
             record["chunk_id"], record["number"], Role(record["role"]), record["text"], record["token_ids"],
             output_number=record["output_number"], had_think=record["had_think"],
             source_ids=tuple(record["source_ids"]), is_default=record["is_default"],
+            finish_reason=record.get("finish_reason"),
         )  # fmt: skip
         span = record.get("span")
         if span is not None:
