@@ -135,8 +135,9 @@ def _read(cm: ContextManager, path: Path) -> tuple[dict, dict[str, torch.Tensor]
 _KEYS = {
     "context": ("system", "middle", "turns", "query"),
     "live": ("token_ids", "exact"),
-    "chunk": ("chunk_id", "number", "role", "text", "token_ids", "output_number", "had_think")
-    + ("source_ids", "is_default"),
+    "chunk": tuple(
+        "chunk_id number role text token_ids output_number had_think source_ids is_default".split()
+    ),
     "span": ("start_pos", "num_tokens", "exact", "pinned", "where"),
 }
 
