@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from typing import Any
 
@@ -55,8 +56,20 @@ def error_json(cmd: str | None, message: str, line: int | None = None) -> dict[s
 
 
 def dumps(obj: dict[str, Any]) -> str:
-    # ensure_ascii=False keeps model text readable; ranges become [start, stop].
-    return json.dumps(obj, ensure_ascii=False, default=_range_as_list)
+    """One line of strict JSON: a number that is not finite (a KL of inf, a NaN) becomes null,
+    since `Infinity` and `NaN` are not JSON. ensure_ascii=False keeps model text readable; ranges
+    become [start, stop]."""
+    return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, default=_range_as_list)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _fields(record: object) -> dict[str, Any]:
