@@ -11,7 +11,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -146,7 +146,10 @@ def _check_meta(meta: dict, layout_keys: tuple[str, ...], path: Path) -> None:
     """Refuse metadata that lacks what `load` reads, before anything reads it."""
     if not isinstance(meta.get("chunks"), list) or "live" not in meta:
         raise StateFileError(f"{path}: damaged kvchat state file (no chunk list or live sequence)")
-    parts = [("layout", layout_keys, meta.get("layout")), ("context", _KEYS["context"], meta.get("context"))]
+    parts: list[tuple[str, tuple[str, ...], Any]] = [
+        ("layout", layout_keys, meta.get("layout")),
+        ("context", _KEYS["context"], meta.get("context")),
+    ]
     if meta["live"] is not None:
         parts.append(("live", _KEYS["live"], meta["live"]))
     for record in meta["chunks"]:
