@@ -45,3 +45,84 @@ def test_into_a_pipe_a_result_stays_one_line_and_no_line_ends_in_spaces():
     assert [line for line in lines if line != line.rstrip()] == []
     assert ANSWER + " " + ANSWER in lines  # the answer was not wrapped at 80 columns
     assert any(line.startswith("error: no chunk") and len(line) > 200 for line in lines)
+
+
+def table_rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines()[1:]]
+
+
+def test_chunks_are_listed_in_context_order_then_the_others():
+    h = make_harness()
+    h.run("/context Alpha beta.")
+    h.run("/context Gamma delta.")
+    h.run("/system Be brief.")  # registered last, placed first
+    h.run("/drop 1")
+    h.take()
+    h.run("/chunks")
+    rows = table_rows(h.take())
+    assert [(row[0], row[6]) for row in rows] == [("3", "1"), ("2", "2"), ("1", "—")]
+
+
+def test_output_marks_a_truncated_answer():
+    h = make_harness(["Short.", "one two three four five", Response("six seven eight", interrupt_at=1)])
+    h.run("hi")
+    h.run("/set max_tokens 3")
+    h.run("go on")
+    h.run("/set max_tokens 50")
+    h.run("and more")
+    h.take()
+    h.run("/output")
+    rows = table_rows(h.take())
+    ends = {row[0]: " ".join(row[-3:-1]) for row in rows}
+    assert ends["1"].endswith("stop") and "truncated" not in ends["1"]
+    assert ends["2"] == "length (truncated)" and ends["3"] == "cancelled (truncated)"
+
+
+def test_show_prints_the_token_ids_it_promises():
+    h = make_harness()
+    h.run("/context " + " ".join(f"w{i}" for i in range(70)))
+    h.take()
+    h.run("/help show")
+    assert "token ids" in h.take()
+    h.run("/show 1")
+    out = h.take()
+    ids = h.ctx.chunk("1").token_ids
+    flat = " ".join(out.split())  # the ids wrap inside their column
+    assert "token ids " + " ".join(map(str, ids[:64])) + " … 6 more" in flat
+
+
+def first_column(out: str) -> list[str]:
+    """The labels of a two-column grid: each line's text before its first run of 2+ spaces."""
+    return [line.split("  ")[0] for line in out.splitlines() if line.strip()]
+
+
+def test_help_command_explains_every_number_that_command_shows():
+    h = make_harness(["An answer."])
+    h.run("/context Some facts here.")
+    h.run("/query q")
+    h.run("/infer")
+    h.take()
+    for shown_by, topic in (("/verify 4", "verify"), ("/stats", "stats")):
+        h.run(shown_by)
+        labels = first_column(h.take())
+        h.run(f"/help {topic}")
+        explained = h.take()
+        assert len(labels) >= 4 and all(label in explained for label in labels), (labels, explained)
+    for shown_by, topic in (("/chunks", "chunks"), ("/output", "output")):
+        h.run(shown_by)
+        headers = h.take().splitlines()[0].split()
+        h.run(f"/help /{topic}")
+        explained = h.take()
+        assert all(f"\n  {header} " in explained for header in headers), (headers, explained)
+    h.run("/help infer")
+    explained = h.take()
+    for word in ("reused", "repositioned", "computed", "ttft", "tok/s", "length", "cancelled", "table"):
+        assert word in explained
+
+
+def test_every_command_has_a_longer_help():
+    h = make_harness()
+    for cmd in h.shell.commands:
+        assert len(cmd.details) > len(cmd.summary), cmd.name
+        h.run(f"/help {cmd.name}")
+        assert cmd.details.splitlines()[0] in h.take()

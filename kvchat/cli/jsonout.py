@@ -37,7 +37,8 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
       `computed_tokens`.
     - set: `settings` ({"table.key": value}) when listing; `key` and `value` when changing one.
     - mode: `mode`. save, load: `path`, `num_chunks`. clear, reset: `message`.
-    - help: `commands`, a list of {`name`, `usage`, `summary`, `aliases`}; `/help NAME` adds `command`.
+    - help: `commands`, a list of {`name`, `usage`, `summary`, `aliases`}; `/help NAME` adds `command`,
+      with `details` (the longer help).
     - quit: nothing more.
     """
     out: dict[str, Any] = {"cmd": cmd, "ok": True, "error": None}
@@ -92,7 +93,7 @@ def _fields(record: object) -> dict[str, Any]:
         case SettingsView(values=values):
             return {"settings": values}
         case HelpView(commands=commands, topic=topic):
-            topic_fields = {"command": _command_fields(topic)} if topic else {}
+            topic_fields = {"command": {**_command_fields(topic), "details": topic.details}} if topic else {}
             return {"commands": [_command_fields(c) for c in commands], **topic_fields}
         case Notice(text=text, data=data):
             return data or {"message": text}
