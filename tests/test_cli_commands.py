@@ -61,14 +61,6 @@ def test_chunks_table_lists_every_chunk_with_its_place():
     assert "system" in out and "context" in out and h.ctx.chunks()[1].chunk_id in out
 
 
-def test_per_chunk_table_after_an_inference_that_computed_earlier_chunks():
-    h = make_harness(["Fine."])
-    h.run("/context First text.")
-    h.run("hello")
-    out = h.take()
-    assert "repositioned" in out.splitlines()[2]  # the table's header under the summary line
-
-
 def test_show_stats_verify_and_mode():
     h = make_harness()
     h.run("/context Some facts here.")

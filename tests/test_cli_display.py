@@ -126,3 +126,24 @@ def test_every_command_has_a_longer_help():
         assert len(cmd.details) > len(cmd.summary), cmd.name
         h.run(f"/help {cmd.name}")
         assert cmd.details.splitlines()[0] in h.take()
+
+
+def test_the_per_chunk_table_shows_when_a_chunk_before_the_new_one_was_not_simply_reused():
+    from dataclasses import replace
+
+    h = make_harness(["Fine.", "Again.", "Moved."])
+    h.run("/context First text.")
+    h.take()
+    h.run("hello")  # the fake reuses every chunk but the new turn
+    assert len(h.take().splitlines()) == 2  # the answer and its summary line, no table
+    report = h.ctx._report
+    h.ctx._report = lambda chunk_id, last: replace(report(chunk_id, last), num_reused=0, num_computed=2)
+    h.run("again")
+    lines = h.take().splitlines()
+    assert lines[2].split() == ["id", "role", "tokens", "reused", "repositioned", "computed"]
+    assert len(lines) == 3 + len(h.ctx.context())  # a row per chunk of the context
+    h.ctx._report = lambda chunk_id, last: replace(report(chunk_id, last), num_reused=0, num_repositioned=2)
+    finish = h.ctx._finish
+    h.ctx._finish = lambda *args: replace(finish(*args), repositioned_tokens=2)
+    h.run("moved")
+    assert "repositioned" in h.take().splitlines()[2]
