@@ -26,7 +26,8 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
       `chunk_id`, `role`, `num_tokens`, `num_reused`, `num_repositioned`, `num_computed`.
     - system, context, query, use-output, delete-output, drop: `action` and `chunk`, a chunk object:
       `number`, `chunk_id`, `role`, `text`, `num_tokens`, `num_blocks`, `num_refs`, `place` (1-based
-      place in the context or null), `pinned`, `output_number` (null unless an output).
+      place in the context or null), `pinned`, `output_number` and `finish_reason` (null unless an
+      output; "length" and "cancelled" mark a truncated one).
     - chunks: `chunks`, a list of chunk objects. output: `outputs`, a list of chunk objects.
     - show: `chunk`, a chunk object plus `token_ids`, `positions` and `kv_positions` (each
       `[start, stop)` as a two-number list, or null), `block_ids`, `had_think`, `source`.
