@@ -196,6 +196,7 @@ def test_delete_output():
         ("/set no.such.key 1", ""),
         ("/verify -1", "must be 1 or more"),
         ("/load /no/such/state.kv", "no such file"),
+        ("/load /tmp", "/tmp is a directory, not a state file"),
         ("/clear now", "/clear takes no argument"),
         ("/help nothing", "unknown command /nothing"),
         ("/infer", "no query"),

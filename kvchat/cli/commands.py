@@ -272,6 +272,8 @@ class Shell:
         for another model, dtype or block size, or a damaged one, is refused and the session is kept.
         """
         path = Path(arg).expanduser()
+        if path.is_dir():
+            raise CommandError(f"{path} is a directory, not a state file")
         if not path.is_file():
             raise CommandError(f"no such file: {path}")
         num_chunks = self.ctx.load(path)
