@@ -32,17 +32,22 @@ def test_a_word_wider_than_the_line_is_written_whole_for_the_terminal_to_break()
     assert wrap(["ab ", "x" * 12, " cdef"], 5) == "ab\n" + "x" * 12 + "\ncdef"
 
 
+def test_indentation_that_would_push_a_word_over_the_edge_is_dropped():
+    assert wrap(["      abcdef"], 10) == "abcdef"
+    assert wrap(["    abcdef"], 10) == "    abcdef"
+
+
 def test_wide_characters_count_as_two_columns():
     assert wrap(["日本語 日本語"], 8) == "日本語\n日本語"
 
 
 words = st.text(alphabet="abcdé日", min_size=1, max_size=9)  # at most 18 columns
-pieces = st.lists(st.one_of(words, st.just(" "), st.just("  "), st.just("\n")), max_size=40)
+separators = st.sampled_from([" ", "  ", "\n", " \n", "\n   "])
+texts = st.lists(st.tuples(separators, words), max_size=30).map(lambda p: "".join(s + w for s, w in p))
 
 
-@given(pieces, st.integers(min_value=18, max_value=40), st.data())
-def test_no_line_is_wider_than_the_terminal_and_no_word_is_broken(parts, width, data):
-    text = "".join(parts)
+@given(texts, st.integers(min_value=18, max_value=40), st.data())
+def test_no_line_is_wider_than_the_terminal_and_no_word_is_broken(text, width, data):
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
     deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     out = wrap(deltas, width)

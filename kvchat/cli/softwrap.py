@@ -44,10 +44,13 @@ class SoftWrap:
         if not self._word:
             return ""
         word_cells, space_cells = cell_len(self._word), cell_len(self._spaces)
-        if self._column > 0 and self._column + space_cells + word_cells > self.width:
-            text, self._column = "\n" + self._word, word_cells
+        fits = self._column + space_cells + word_cells <= self.width
+        if not fits and (self._column > 0 or word_cells <= self.width):
+            # On a new line the spaces before the word go (indentation too, when it would not fit).
+            text, self._column = ("\n" if self._column else "") + self._word, word_cells
         else:
             text, self._column = self._spaces + self._word, self._column + space_cells + word_cells
-        self._column %= self.width  # a word wider than the line wraps on the terminal
+        if self._column > self.width:  # a word wider than the line, broken by the terminal
+            self._column %= self.width
         self._spaces = self._word = ""
         return text
