@@ -3,7 +3,7 @@
 import pytest
 
 from kvchat.chunks.types import ReuseMode
-from kvchat.cli.commands import MAX_FILE_BYTES
+from kvchat.cli.arguments import MAX_FILE_BYTES
 from kvchat.cli.runner import Status
 from tests.fake_context import isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, ReuseMode
+from kvchat.cli.arguments import count, read_text
 from kvchat.cli.registry import ArgKind, Command, CommandRegistry, command, split_command
 from kvchat.cli.results import (
     ChunkChange,
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
     from kvchat.config import Settings
 
 # Settings the session reads as it goes; the others are read once, when kvchat starts.
-MAX_FILE_BYTES = 16 << 20  # the largest file /context @FILE reads
-
 LIVE_SETTINGS = ("sampling.", "reuse.mode", "reuse.verify_tokens", "ui.show_thinking")
 
 
@@ -80,7 +79,7 @@ class Shell:
         after the system prompt, in the order added; adding the same text again does nothing.
         @FILE reads a UTF-8 text file of at most 16 MiB (a leading ~ is your home directory).
         """
-        text = _read_text(Path(arg[1:]).expanduser()) if arg.startswith("@") else arg
+        text = read_text(Path(arg[1:]).expanduser()) if arg.startswith("@") else arg
         return ChunkChange("added", self.ctx.add_context(text))
 
     @command("query", "Set the query that /infer answers", usage="TEXT", arg=ArgKind.TEXT)
@@ -124,12 +123,12 @@ class Shell:
         """Places retained output N in the context after the context chunks, as a passage the next
         inference reads. Its KV is reused as the reuse mode allows.
         """
-        return ChunkChange("added output", self.ctx.use_output(_count(arg)))
+        return ChunkChange("added output", self.ctx.use_output(count(arg)))
 
     @command("delete-output", "Delete retained output N", usage="N", arg=ArgKind.OUTPUT)
     def delete_output(self, arg: str) -> ChunkChange:
         """Removes retained output N from the context and the chunk list, and releases its pinned KV."""
-        return ChunkChange("deleted output", self.ctx.delete_output(_count(arg)))
+        return ChunkChange("deleted output", self.ctx.delete_output(count(arg)))
 
     @command("chunks", "List every chunk: role, id, tokens, blocks, references, place")
     def chunks(self, arg: str) -> ChunkList:
@@ -255,7 +254,7 @@ class Shell:
           tokens          reused, repositioned and computed prompt tokens in the reuse mode
         Fewer than N positions are compared when the full recompute's answer ends sooner.
         """
-        return self.ctx.verify(_count(arg) if arg else self.settings.reuse.verify_tokens)
+        return self.ctx.verify(count(arg) if arg else self.settings.reuse.verify_tokens)
 
     @command("save", "Save chunks, outputs and their KV to FILE", usage="FILE", arg=ArgKind.PATH)
     def save(self, arg: str) -> Notice:
@@ -291,35 +290,3 @@ class Shell:
     def quit(self, arg: str) -> Quit:
         """Leaves kvchat (Ctrl-D too). Nothing is saved: use /save first to keep the session."""
         return Quit()
-
-
-def _count(arg: str) -> int:
-    try:
-        number = int(arg)
-    except ValueError:
-        raise CommandError(f"not a number: {arg!r}") from None
-    if number < 1:
-        raise CommandError(f"must be 1 or more: {arg}")
-    return number
-
-
-def _read_text(path: Path) -> str:
-    # At most one byte past the limit is read, so /dev/zero or a huge file cannot hang or fill memory.
-    try:
-        with path.open("rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise CommandError(f"no such file: {path}") from None
-    except IsADirectoryError:
-        raise CommandError(f"{path} is a directory, not a file") from None
-    except OSError as exc:
-        raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise CommandError(f"{path} is larger than {MAX_FILE_BYTES >> 20} MiB")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CommandError(f"{path} is not UTF-8 text (byte {exc.start})") from None
-    if not text.strip():
-        raise CommandError(f"{path} is empty")
-    return text.rstrip("\n")
