@@ -1,5 +1,7 @@
 """Commands as transcripts: a line in, the rendered text out, over the fake context manager."""
 
+import os
+
 import pytest
 
 from kvchat.chunks.types import ReuseMode
@@ -228,6 +230,8 @@ def test_context_from_a_bad_file_is_one_clear_line(tmp_path):
         f.truncate(MAX_FILE_BYTES + 1)  # sparse: no disk used
     exact = tmp_path / "exact.txt"
     exact.write_bytes(b"a" * MAX_FILE_BYTES)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
     latin = tmp_path / "latin.txt"
     latin.write_bytes(b"caf\xe9\n")
     cases = {
@@ -236,6 +240,7 @@ def test_context_from_a_bad_file_is_one_clear_line(tmp_path):
         str(tmp_path): "is a directory, not a file",
         str(tmp_path / "missing.txt"): "no such file",
         str(latin): "is not UTF-8 text (byte 3)",
+        str(fifo): "is a pipe, not a file",
     }
     h = make_harness()
     for path, message in cases.items():

@@ -120,6 +120,15 @@ def test_help_command_explains_every_number_that_command_shows():
         assert word in explained
 
 
+def test_help_name_in_json_carries_the_longer_help():
+    import json
+
+    h = make_harness(json_lines=True)
+    h.run("/help verify")
+    command = json.loads(h.take())["command"]
+    assert command["name"] == "verify" and "top-5 overlap" in command["details"]
+
+
 def test_every_command_has_a_longer_help():
     h = make_harness()
     for cmd in h.shell.commands:

@@ -22,7 +22,10 @@ def count(arg: str) -> int:
 
 def read_text(path: Path) -> str:
     """The UTF-8 text of a file of at most MAX_FILE_BYTES, without its final newlines."""
-    # At most one byte past the limit is read, so /dev/zero or a huge file cannot hang or fill memory.
+    # At most one byte past the limit is read, so /dev/zero or a huge file cannot hang or fill memory;
+    # a named pipe is refused, since opening one waits for a writer that may never come.
+    if path.is_fifo():
+        raise CommandError(f"{path} is a pipe, not a file")
     try:
         with path.open("rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)
