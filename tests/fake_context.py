@@ -112,7 +112,9 @@ class FakeContextManager:
 
     # -- chunks -----------------------------------------------------------------------------------
 
-    def _register(self, role: Role, text: str, output_number: int | None = None) -> ChunkInfo:
+    def _register(
+        self, role: Role, text: str, output_number: int | None = None, finish_reason: str | None = None
+    ) -> ChunkInfo:
         if not text.strip():
             raise ChunkError(f"empty {role} text")
         chunk_id = hashlib.sha1(f"{role}:{text}".encode()).hexdigest()[:8]
@@ -121,7 +123,7 @@ class FakeContextManager:
         info = ChunkInfo(
             len(self._chunks) + 1, chunk_id, role, text, len(token_ids), num_blocks, 1, None, False
         )
-        info = replace(info, output_number=output_number)
+        info = replace(info, output_number=output_number, finish_reason=finish_reason)
         if chunk_id in self._chunks:
             info = self._chunks[chunk_id].info
         self._chunks[chunk_id] = _Chunk(info, token_ids)
@@ -176,6 +178,7 @@ class FakeContextManager:
     def reset(self) -> None:
         self._chunks.clear()
         self._outputs.clear()
+        self._hits = self._lookups = 0
         self.clear()
 
     def chunks(self) -> list[ChunkInfo]:
@@ -243,7 +246,7 @@ class FakeContextManager:
     def _finish(self, text: str, finish: str, context: list[str]) -> InferenceResult:
         reports = [self._report(chunk_id, last=i == len(context) - 1) for i, chunk_id in enumerate(context)]
         number = max(self._outputs, default=0) + 1
-        output = self._register(Role.OUTPUT, text or "(empty)", output_number=number)
+        output = self._register(Role.OUTPUT, text or "(empty)", output_number=number, finish_reason=finish)
         self._outputs[number] = output.chunk_id
         prompt = sum(r.num_tokens for r in reports)
         reused = sum(r.num_reused for r in reports)

@@ -1,8 +1,11 @@
 """Commands as transcripts: a line in, the rendered text out, over the fake context manager."""
 
+import os
+
 import pytest
 
 from kvchat.chunks.types import ReuseMode
+from kvchat.cli.arguments import MAX_FILE_BYTES
 from kvchat.cli.runner import Status
 from tests.fake_context import isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
 
@@ -58,14 +61,6 @@ def test_chunks_table_lists_every_chunk_with_its_place():
     for header in ("role", "id", "tokens", "blocks", "refs", "place"):
         assert header in out
     assert "system" in out and "context" in out and h.ctx.chunks()[1].chunk_id in out
-
-
-def test_per_chunk_table_after_an_inference_that_computed_earlier_chunks():
-    h = make_harness(["Fine."])
-    h.run("/context First text.")
-    h.run("hello")
-    out = h.take()
-    assert "repositioned" in out.splitlines()[2]  # the table's header under the summary line
 
 
 def test_show_stats_verify_and_mode():
@@ -203,6 +198,7 @@ def test_delete_output():
         ("/set no.such.key 1", ""),
         ("/verify -1", "must be 1 or more"),
         ("/load /no/such/state.kv", "no such file"),
+        ("/load /tmp", "/tmp is a directory, not a state file"),
         ("/clear now", "/clear takes no argument"),
         ("/help nothing", "unknown command /nothing"),
         ("/infer", "no query"),
@@ -255,3 +251,30 @@ def test_set_refuses_what_the_sampler_would(line, message):
     assert h.run(line) is Status.FAILED
     assert message in h.take()
     assert h.shell.settings == before
+
+
+def test_context_from_a_bad_file_is_one_clear_line(tmp_path):
+    huge = tmp_path / "huge.txt"
+    with huge.open("wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)  # sparse: no disk used
+    exact = tmp_path / "exact.txt"
+    exact.write_bytes(b"a" * MAX_FILE_BYTES)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"caf\xe9\n")
+    cases = {
+        "/dev/zero": "/dev/zero is larger than 16 MiB",
+        str(huge): "is larger than 16 MiB",
+        str(tmp_path): "is a directory, not a file",
+        str(tmp_path / "missing.txt"): "no such file",
+        str(latin): "is not UTF-8 text (byte 3)",
+        str(fifo): "is a pipe, not a file",
+    }
+    h = make_harness()
+    for path, message in cases.items():
+        assert h.run(f"/context @{path}") is Status.FAILED
+        out = h.take()
+        assert out.count("\n") == 1 and out.startswith("error: ") and message in out, out
+    assert h.ctx.chunks() == []
+    assert h.run(f"/context @{exact}") is Status.OK  # the limit itself is allowed

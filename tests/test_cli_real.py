@@ -73,11 +73,15 @@ It ends in the North Sea.
 /load STATE
 /delete-output 1
 /chunks
+/save TMPDIR
+/context @/dev/zero
+>>>
 """
 
 
 def test_script_with_json_on_a_local_model_folder(tiny_folder, tmp_path):
     script = SCRIPT.replace(b"STATE", str(tmp_path / "s.safetensors").encode())
+    script = script.replace(b"TMPDIR", str(tmp_path).encode())
     args = ["--model", str(tiny_folder), "--json", "--max-tokens", "6", "--seed", "1"]
     proc = kvchat(args, script, tmp_path)
     out = records(proc)
@@ -86,8 +90,10 @@ def test_script_with_json_on_a_local_model_folder(tiny_folder, tmp_path):
     assert all({"cmd", "ok", "error"} <= r.keys() for r in out)
     failed = {r["cmd"]: r["error"] for r in out if not r["ok"]}
     assert all(message in proc.stderr.decode() for message in failed.values())  # on stderr too
-    assert set(failed) == {"use-output", "bogus", "query", "set"}
+    assert set(failed) == {"use-output", "bogus", "query", "set", "save", "context", None}
     assert "no output 9" in failed["use-output"] and "unknown command" in failed["bogus"]
+    assert "is a directory" in failed["save"] and "larger than 16 MiB" in failed["context"]
+    assert "no block open" in failed[None] and not any("internal error" in e for e in failed.values())
     first, second, moved = (r for r in out if r["cmd"] == "infer")
     for r in (first, second, moved):
         assert {"output", "output_number", "chunk_id", "prompt_tokens", "reused_tokens", "computed_tokens",
@@ -153,7 +159,8 @@ def test_interactive_terminal(tmp_path):
         child.expect("cancelled")
         child.expect("›")
         child.send("/output\r")
-        child.expect(r"1\s+\S.*\s\d+\s+[0-9a-f]{10}")  # the kept (truncated) answer: number, text, tokens, id
+        # the kept answer: number, text, tokens, how it ended (styled), id
+        child.expect(r"1\s+\S.*\s\d+\s+\S*cancelled \(truncated\)\S*\s+[0-9a-f]{10}")
         child.expect("›")
         child.sendeof()  # Ctrl-D quits
         child.expect(pexpect.EOF)

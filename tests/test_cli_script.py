@@ -3,6 +3,7 @@
 import io
 import json
 
+from kvchat.cli.runner import Status
 from kvchat.cli.script import MAX_LINE_BYTES, ScriptCommand, read_commands, run_script
 from tests.fake_context import isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
 
@@ -132,3 +133,45 @@ def test_json_prints_one_object_per_command():
     assert by_cmd["mode"]["mode"] == "exact"
     assert {c["name"] for c in by_cmd["help"]["commands"]} >= {"infer", "quit"}
     assert lines[-1]["ok"] is False and "invalid UTF-8" in lines[-1]["error"]
+
+
+def test_a_stray_block_close_is_an_error_not_a_chat_message():
+    got = commands(b"/system ok\n>>>\n/context <<<\ntext\n>>>\n  >>>\n")
+    assert got[0] == ScriptCommand(1, "/system ok")
+    assert got[1].lineno == 2 and got[1].text is None and "no block open" in got[1].error
+    assert got[2] == ScriptCommand(3, "/context\ntext")
+    assert got[3].lineno == 6 and got[3].text is None
+    h = make_harness(["Hi."])
+    assert run_script(h.shell, h.ui, io.BytesIO(b">>>\n")) == 1
+    assert h.take() == "error: line 1: >>> with no block open (a line ending in <<<)\n"
+    assert h.ctx.outputs() == []
+
+
+def strict_json(line: str) -> dict:
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_json_stays_valid_when_a_number_is_not_finite():
+    from dataclasses import replace
+
+    h = make_harness(json_lines=True)
+    report = h.ctx.verify(4)
+    h.ctx.verify = lambda n: replace(report, kl_divergence=float("inf"), max_logit_diff=float("nan"))
+    h.run("/query q")
+    h.take()
+    assert h.run("/verify") is Status.OK
+    fidelity = strict_json(h.take())["fidelity"]
+    assert fidelity["kl_divergence"] is None and fidelity["max_logit_diff"] is None
+    assert fidelity["top5_overlap"] == 5
+    finish = h.ctx._finish
+
+    def infinite_rates(*args):
+        return replace(finish(*args), decode_tok_s=float("inf"), prefill_tok_s=float("-inf"))
+
+    h.ctx._finish = infinite_rates
+    h.run("hello")
+    answer = strict_json(h.take())
+    assert answer["decode_tok_s"] is None and answer["prefill_tok_s"] is None and answer["ok"] is True

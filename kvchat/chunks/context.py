@@ -124,6 +124,7 @@ class ContextManager:
         for chunk in list(self.registry.chunks.values()):
             self._delete(chunk)
         self.registry = ChunkRegistry()
+        self.engine.blocks.reset_stats()
 
     def delete_output(self, number: int) -> ChunkInfo:
         chunk = self.registry.output(number)
@@ -234,6 +235,7 @@ class ContextManager:
             answer.token_ids,
             had_think=answer.had_think,
             source_ids=tuple(c.chunk_id for c in chunks),
+            finish_reason=answer.finish_reason,
         )
         output.span = KVSpan.of(blocks, seq, answer.start, seq.num_tokens, exact, pinned=True)
         assert run.composed is not None
@@ -270,6 +272,7 @@ class ContextManager:
             place=placed.index(chunk_id) + 1 if chunk_id in placed else None,
             pinned=bool(span and span.pinned),
             output_number=chunk.output_number,
+            finish_reason=chunk.finish_reason,
         )
 
     def chunks(self) -> list[ChunkInfo]:

@@ -12,6 +12,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -80,6 +81,7 @@ def save(
     for chunk in chunks:
         record = {k: getattr(chunk, k) for k in ("chunk_id", "number", "text", "token_ids", "output_number")}
         record |= {"role": chunk.role.value, "had_think": chunk.had_think, "is_default": chunk.is_default}
+        record["finish_reason"] = chunk.finish_reason
         record["source_ids"] = list(chunk.source_ids)
         span = chunk.span
         if span is not None and span.is_valid(engine.blocks):
@@ -103,16 +105,30 @@ def save(
         if live is None
         else {"token_ids": live.token_ids[: live.num_computed], "exact": live.exact_limit},
     }  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    _write(path, tensors, meta)
+    return len(records)
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Write atomically; a path that cannot take the file is one StateFileError naming why."""
+    if path.is_dir():
+        raise StateFileError(f"cannot save to {path}: it is a directory")
+    blocker = next((p for p in path.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise StateFileError(f"cannot save to {path}: {blocker} is a file, not a directory")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"kvchat": json.dumps(meta)})
         os.replace(tmp, path)
+    except (OSError, SafetensorError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise StateFileError(f"cannot save to {path}: {reason}") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-    return len(records)
 
 
 def read(engine: Engine, layout: dict, path: Path) -> SavedState:
@@ -127,6 +143,7 @@ def read(engine: Engine, layout: dict, path: Path) -> SavedState:
         raise StateFileError(f"{path}: not a readable kvchat state file ({err})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise StateFileError(f"{path}: not a kvchat state file")
+    _check_meta(meta, tuple(layout), path)
     for key, want in layout.items():
         if key != "model_id" and meta["layout"].get(key) != want:
             raise StateFileError(
@@ -136,6 +153,38 @@ def read(engine: Engine, layout: dict, path: Path) -> SavedState:
     c = meta["context"]
     context = Context(c["system"], list(c["middle"]), list(c["turns"]), c["query"])
     return SavedState(meta, tensors, context, _check_shapes(engine, meta, tensors))
+
+
+_KEYS = {
+    "context": ("system", "middle", "turns", "query"),
+    "live": ("token_ids", "exact"),
+    "chunk": tuple(
+        "chunk_id number role text token_ids output_number had_think source_ids is_default".split()
+    ),
+    "span": ("start_pos", "num_tokens", "exact", "pinned", "where"),
+}
+
+
+def _check_meta(meta: dict, layout_keys: tuple[str, ...], path: Path) -> None:
+    """Refuse metadata that lacks what `load` reads, before anything reads it."""
+    if not isinstance(meta.get("chunks"), list) or "live" not in meta:
+        raise StateFileError(f"{path}: damaged kvchat state file (no chunk list or live sequence)")
+    parts: list[tuple[str, tuple[str, ...], Any]] = [
+        ("layout", layout_keys, meta.get("layout")),
+        ("context", _KEYS["context"], meta.get("context")),
+    ]
+    if meta["live"] is not None:
+        parts.append(("live", _KEYS["live"], meta["live"]))
+    for record in meta["chunks"]:
+        parts.append(("chunk", _KEYS["chunk"], record))
+        if isinstance(record, dict) and record.get("span") is not None:
+            parts.append(("span", _KEYS["span"], record["span"]))
+    for what, keys, part in parts:
+        missing = [k for k in keys if not isinstance(part, dict) or k not in part]
+        if missing:
+            raise StateFileError(f"{path}: damaged kvchat state file ({what} lacks {', '.join(missing)})")
+        if what == "chunk" and part["role"] not in {r.value for r in Role}:
+            raise StateFileError(f"{path}: damaged kvchat state file (unknown role {part['role']!r})")
 
 
 def _check_shapes(engine: Engine, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
@@ -193,6 +242,7 @@ def _chunk_of(record: dict) -> Chunk:
         record["chunk_id"], record["number"], Role(record["role"]), record["text"], record["token_ids"],
         output_number=record["output_number"], had_think=record["had_think"],
         source_ids=tuple(record["source_ids"]), is_default=record["is_default"],
+        finish_reason=record.get("finish_reason"),
     )  # fmt: skip
 
 

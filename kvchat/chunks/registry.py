@@ -31,6 +31,7 @@ class Chunk:
     had_think: bool = False
     source_ids: tuple[str, ...] = ()  # for outputs: the context they were generated from
     is_default: bool = False  # a system prompt the chat template would have inserted
+    finish_reason: str | None = None  # for outputs: why generation ended ("length", "cancelled": cut short)
 
 
 @dataclass

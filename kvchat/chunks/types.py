@@ -36,6 +36,12 @@ class ChunkInfo:
     place: int | None  # 1-based position in the current context, None if not in it
     pinned: bool
     output_number: int | None = None  # set for retained outputs
+    finish_reason: str | None = None  # for outputs: "stop", "stop_string", "length", "cancelled"
+
+    @property
+    def truncated(self) -> bool:
+        """An output cut short: by the token limit or by Ctrl-C."""
+        return self.finish_reason in ("length", "cancelled")
 
 
 @dataclass(frozen=True)

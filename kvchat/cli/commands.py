@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, ReuseMode
+from kvchat.cli.arguments import count, read_text
 from kvchat.cli.registry import ArgKind, Command, CommandRegistry, command, split_command
 from kvchat.cli.results import (
     ChunkChange,
@@ -58,6 +59,10 @@ class Shell:
 
     @command("system", "Set the system prompt", usage="TEXT", arg=ArgKind.TEXT)
     def system(self, arg: str) -> ChunkChange:
+        """The chunk every context starts with. Replaces the system prompt in use; the one it replaces
+        stays registered (see /chunks). With none set, the chat template's default system prompt (if it
+        has one) stands in and is listed as a chunk.
+        """
         return ChunkChange("system prompt set", self.ctx.set_system(arg))
 
     @command(
@@ -67,57 +72,136 @@ class Shell:
         arg=ArgKind.TEXT_OR_FILE,
     )
     def context(self, arg: str) -> ChunkChange:
-        text = _read_text(Path(arg[1:]).expanduser()) if arg.startswith("@") else arg
+        """A passage the model reads before the conversation and the query. Context chunks are placed
+        after the system prompt, in the order added; adding the same text again does nothing.
+        @FILE reads a UTF-8 text file of at most 16 MiB (a leading ~ is your home directory).
+        """
+        text = read_text(Path(arg[1:]).expanduser()) if arg.startswith("@") else arg
         return ChunkChange("added", self.ctx.add_context(text))
 
     @command("query", "Set the query that /infer answers", usage="TEXT", arg=ArgKind.TEXT)
     def query(self, arg: str) -> ChunkChange:
+        """The question /infer answers, placed last in the context. Replaces the query in use."""
         return ChunkChange("query set", self.ctx.set_query(arg))
 
     @command("infer", "Generate from the current context and query")
     def infer(self, arg: str) -> Inference:
+        """Generates an answer from the current context (system prompt, context chunks and reused
+        outputs, conversation turns, query) and keeps it as a retained output. Sampling follows
+        /set sampling.* (max_tokens bounds the answer). Ctrl-C stops it and keeps what was generated.
+
+        The line after the answer:
+          reused        prompt tokens whose KV came from the cache unchanged (same tokens, same prefix)
+          repositioned  prompt tokens whose cached KV was moved to new positions (reposition, repair modes)
+          computed      prompt tokens run through the model
+          ttft          seconds to the first answer token, composing the context included
+          tok/s         answer tokens per second after the first
+          then why it ended (stop: end of turn, stop_string, length: max_tokens reached, cancelled:
+          Ctrl-C; the last two are truncated) and the output number.
+        A table per chunk (tokens, reused, repositioned, computed) follows when a chunk before the new
+        one was not simply reused, that is when the cache missed or moved something.
+        """
         return Inference(self.ctx.infer(self.settings.sampling))
 
     @command("output", "List the retained outputs")
     def output(self, arg: str) -> OutputList:
+        """Every answer is kept, with its KV pinned, until /delete-output.
+        Columns:
+          output  its number, for /use-output and /delete-output
+          text    its start
+          tokens  its tokens, end-of-turn tokens included
+          end     why generation ended: stop, stop_string, or length / cancelled (truncated)
+          id      its chunk id
+        """
         return OutputList(self.ctx.outputs())
 
     @command("use-output", "Add retained output N to the context", usage="N", arg=ArgKind.OUTPUT)
     def use_output(self, arg: str) -> ChunkChange:
-        return ChunkChange("added output", self.ctx.use_output(_count(arg)))
+        """Places retained output N in the context after the context chunks, as a passage the next
+        inference reads. Its KV is reused as the reuse mode allows.
+        """
+        return ChunkChange("added output", self.ctx.use_output(count(arg)))
 
     @command("delete-output", "Delete retained output N", usage="N", arg=ArgKind.OUTPUT)
     def delete_output(self, arg: str) -> ChunkChange:
-        return ChunkChange("deleted output", self.ctx.delete_output(_count(arg)))
+        """Removes retained output N from the context and the chunk list, and releases its pinned KV."""
+        return ChunkChange("deleted output", self.ctx.delete_output(count(arg)))
 
     @command("chunks", "List every chunk: role, id, tokens, blocks, references, place")
     def chunks(self, arg: str) -> ChunkList:
-        return ChunkList(self.ctx.chunks())
+        """Chunks in the context come first, in their place, then the other registered ones.
+        Columns:
+          #       the chunk's number (for /show and /drop)
+          role    system, context, query, user, or output N
+          id      short hash of its role and tokens (a unique prefix works too)
+          tokens  its tokens in the chat template
+          blocks  KV blocks holding its KV now (0: none kept)
+          refs    references on those blocks (sequences and chunks sharing them)
+          place   its place in the context, — when not in it
+          pin     yes when its blocks are pinned (retained outputs are never evicted)
+          text    its start
+        """
+        in_context_first = sorted(self.ctx.chunks(), key=lambda c: (c.place is None, c.place or 0, c.number))
+        return ChunkList(in_context_first)
 
-    @command("show", "Show one chunk: text, tokens, positions, blocks", usage="N|ID", arg=ArgKind.CHUNK)
+    @command(
+        "show",
+        "Show one chunk: text, token ids, positions, KV positions, blocks",
+        usage="N|ID",
+        arg=ArgKind.CHUNK,
+    )
     def show(self, arg: str) -> ChunkDetail:
+        """Everything about one chunk, by number or id: its number, role and id; its tokens and token
+        ids (the first 64; --json has all); the positions it takes in the current context; the positions
+        its kept KV was computed at (where these differ, reuse must reposition or recompute it); the
+        blocks holding that KV and their references; for outputs, the number, the chunks of the context
+        it came from and whether thinking was hidden; then the text.
+        """
         return self.ctx.chunk(arg)
 
     @command("drop", "Remove a chunk from the context", usage="N|ID", arg=ArgKind.CHUNK)
     def drop(self, arg: str) -> ChunkChange:
+        """Removes a chunk (by number or id) from the context. It stays registered: /chunks lists it,
+        /show shows it, and the KV it keeps stays cached.
+        """
         return ChunkChange("dropped", self.ctx.drop(arg))
 
     @command("clear", "Empty the context; chunks and outputs are kept")
     def clear(self, arg: str) -> Notice:
+        """Empties the context: no system prompt, passages, turns or query. Chunks, retained outputs and
+        cached KV stay, so composing the context again reuses them.
+        """
         self.ctx.clear()
         return Notice("context cleared; chunks and outputs kept")
 
     @command("reset", "Delete every chunk and output; free every block")
     def reset(self, arg: str) -> Notice:
+        """Deletes every chunk and retained output and frees every KV block; the hit counts of /stats
+        start again from zero. Settings are kept.
+        """
         self.ctx.reset()
         return Notice("everything deleted; every block is free")
 
     @command("stats", "KV cache blocks, bytes and hit rate")
     def stats(self, arg: str) -> CacheStats:
+        """The paged KV cache, whose size --kv-memory sets.
+        Rows:
+          blocks      used (referenced by the live sequence or a chunk), pinned (retained outputs),
+                      cached (unreferenced but holding reusable KV, evicted least recently used first),
+                      free, and total
+          block size  tokens per block, and the bytes one block takes
+          KV memory   bytes of the used blocks, of the whole budget (--kv-memory)
+          hit rate    prompt tokens found in the cache, of those looked up, since start or /reset
+        """
         return self.ctx.stats()
 
     @command("set", "Change a setting, or list them all", usage="[KEY VALUE]", arg=ArgKind.SETTING)
     def set(self, arg: str) -> SettingsView | Notice:
+        """Without arguments, lists every setting. KEY is table.key (sampling.temperature) or a key
+        unique across tables (temperature). sampling.*, reuse.mode, reuse.verify_tokens and
+        ui.show_thinking apply at once; the others when kvchat starts again. Defaults are in
+        configs/default.toml, overridden by your config file and the command-line flags.
+        """
         if not arg:
             return SettingsView(setting_values(self.settings), self.ctx.resolved_settings())
         typed_key, _, value = arg.partition(" ")
@@ -140,6 +224,13 @@ class Shell:
         arg=ArgKind.MODE,
     )
     def mode(self, arg: str) -> Notice:
+        """How a cached chunk is reused when what comes before it changed:
+          exact       recompute from the first token whose prefix differs (same result as a full recompute)
+          reposition  move its KV to the new positions (keys re-rotated): fastest, approximate
+          repair      reposition, then recompute the first tokens of each moved chunk
+                      (reuse.repair_share of them, at least reuse.repair_min_tokens): closer, costs more
+        Without an argument, shows the mode in use. /verify measures what a mode costs.
+        """
         if arg:
             self.set(f"reuse.mode {arg}")  # one path keeps the setting and the context manager agreeing
         return Notice(f"reuse mode: {self.ctx.mode}", {"mode": str(self.ctx.mode)})
@@ -148,17 +239,38 @@ class Shell:
         "verify", "Compare the reuse mode with a full recompute over N tokens", usage="[N]", arg=ArgKind.TEXT
     )
     def verify(self, arg: str) -> FidelityReport:
-        return self.ctx.verify(_count(arg) if arg else self.settings.reuse.verify_tokens)
+        """Runs the current context twice: once composed in the reuse mode, once fully recomputed, and
+        compares them. N (default reuse.verify_tokens, 16) is how many answer positions are compared. It
+        needs room for a second copy of the context's KV; nothing is kept.
+          KL divergence   KL(full || mode) of the next-token distributions, in nats; 0 is identical
+          next token      whether both pick the same most likely next token
+          top-5 overlap   how many of the 5 most likely next tokens both share
+          max logit diff  the largest difference between the two next-token logits
+          greedy agrees   leading greedy tokens that agree before the first difference, of N
+          top-1 rate      share of the N positions whose most likely token agrees, both fed the full
+                          recompute's tokens (so one difference does not spoil the rest)
+          tokens          reused, repositioned and computed prompt tokens in the reuse mode
+        Fewer than N positions are compared when the full recompute's answer ends sooner.
+        """
+        return self.ctx.verify(count(arg) if arg else self.settings.reuse.verify_tokens)
 
     @command("save", "Save chunks, outputs and their KV to FILE", usage="FILE", arg=ArgKind.PATH)
     def save(self, arg: str) -> Notice:
+        """Writes every chunk and retained output with its KV, and the context, to one safetensors file
+        (atomically: a failed save leaves the old file). The file records the model and KV layout.
+        """
         path = Path(arg).expanduser()
         num_chunks = self.ctx.save(path)
         return Notice(f"saved {num_chunks} chunks to {path}", {"path": str(path), "num_chunks": num_chunks})
 
     @command("load", "Load chunks, outputs and their KV from FILE", usage="FILE", arg=ArgKind.PATH)
     def load(self, arg: str) -> Notice:
+        """Replaces the session's chunks, outputs, context and KV with those saved in FILE. A file made
+        for another model, dtype or block size, or a damaged one, is refused and the session is kept.
+        """
         path = Path(arg).expanduser()
+        if path.is_dir():
+            raise CommandError(f"{path} is a directory, not a state file")
         if not path.is_file():
             raise CommandError(f"no such file: {path}")
         num_chunks = self.ctx.load(path)
@@ -168,33 +280,11 @@ class Shell:
 
     @command("help", "List the commands, or explain one", usage="[COMMAND]", arg=ArgKind.COMMAND)
     def help(self, arg: str) -> HelpView:
+        """Without an argument, lists the commands; with one (with or without its /), explains it."""
         topic: Command | None = self.commands.get(arg.removeprefix("/")) if arg else None
         return HelpView(list(self.commands), topic)
 
     @command("quit", "Leave kvchat", aliases=("exit",))
     def quit(self, arg: str) -> Quit:
+        """Leaves kvchat (Ctrl-D too). Nothing is saved: use /save first to keep the session."""
         return Quit()
-
-
-def _count(arg: str) -> int:
-    try:
-        number = int(arg)
-    except ValueError:
-        raise CommandError(f"not a number: {arg!r}") from None
-    if number < 1:
-        raise CommandError(f"must be 1 or more: {arg}")
-    return number
-
-
-def _read_text(path: Path) -> str:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CommandError(f"no such file: {path}") from None
-    except UnicodeDecodeError as exc:
-        raise CommandError(f"{path} is not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise CommandError(f"cannot read {path}: {exc.strerror}") from None
-    if not text.strip():
-        raise CommandError(f"{path} is empty")
-    return text.rstrip("\n")

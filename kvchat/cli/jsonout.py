@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from typing import Any
 
@@ -27,7 +28,8 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
       add up to the totals.
     - system, context, query, use-output, delete-output, drop: `action` and `chunk`, a chunk object:
       `number`, `chunk_id`, `role`, `text`, `num_tokens`, `num_blocks`, `num_refs`, `place` (1-based
-      place in the context or null), `pinned`, `output_number` (null unless an output).
+      place in the context or null), `pinned`, `output_number` and `finish_reason` (null unless an
+      output; "length" and "cancelled" mark a truncated one).
     - chunks: `chunks`, a list of chunk objects. output: `outputs`, a list of chunk objects.
     - show: `chunk`, a chunk object plus `token_ids`, `positions` and `kv_positions` (each
       `[start, stop)` as a two-number list, or null), `block_ids`, `had_think`, `source`.
@@ -39,7 +41,8 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
     - set: `settings` ({"table.key": value}) and `resolved` (what `auto` model settings resolved to,
       {"model.dtype": "bf16", ...}) when listing; `key` and `value` when changing one.
     - mode: `mode`. save, load: `path`, `num_chunks`. clear, reset: `message`.
-    - help: `commands`, a list of {`name`, `usage`, `summary`, `aliases`}; `/help NAME` adds `command`.
+    - help: `commands`, a list of {`name`, `usage`, `summary`, `aliases`}; `/help NAME` adds `command`,
+      with `details` (the longer help).
     - quit: nothing more.
     """
     out: dict[str, Any] = {"cmd": cmd, "ok": True, "error": None}
@@ -58,8 +61,20 @@ def error_json(cmd: str | None, message: str, line: int | None = None) -> dict[s
 
 
 def dumps(obj: dict[str, Any]) -> str:
-    # ensure_ascii=False keeps model text readable; ranges become [start, stop].
-    return json.dumps(obj, ensure_ascii=False, default=_range_as_list)
+    """One line of strict JSON: a number that is not finite (a KL of inf, a NaN) becomes null,
+    since `Infinity` and `NaN` are not JSON. ensure_ascii=False keeps model text readable; ranges
+    become [start, stop]."""
+    return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, default=_range_as_list)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _fields(record: object) -> dict[str, Any]:
@@ -82,7 +97,7 @@ def _fields(record: object) -> dict[str, Any]:
         case SettingsView(values=values, resolved=resolved):
             return {"settings": values, "resolved": resolved}
         case HelpView(commands=commands, topic=topic):
-            topic_fields = {"command": _command_fields(topic)} if topic else {}
+            topic_fields = {"command": {**_command_fields(topic), "details": topic.details}} if topic else {}
             return {"commands": [_command_fields(c) for c in commands], **topic_fields}
         case Notice(text=text, data=data):
             return data or {"message": text}

@@ -36,7 +36,8 @@ class ArgKind(StrEnum):
 
 @dataclass(frozen=True)
 class Command:
-    """One slash command: its names, its one-line help and the bound handler."""
+    """One slash command: its names, its one-line help, the bound handler, and the longer help
+    (arguments, defaults, what each number it shows means) that `/help NAME` prints."""
 
     name: str
     summary: str
@@ -44,6 +45,7 @@ class Command:
     aliases: tuple[str, ...]
     arg: ArgKind
     handler: Callable[[str], Any]
+    details: str = ""
 
     @property
     def needs_argument(self) -> bool:
@@ -57,10 +59,14 @@ class Command:
 def command(
     name: str, summary: str, *, usage: str = "", aliases: tuple[str, ...] = (), arg: ArgKind = ArgKind.NONE
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Mark a method `(self, arg: str) -> record` as the handler of `/name`."""
+    """Mark a method `(self, arg: str) -> record` as the handler of `/name`; its docstring is the
+    longer help."""
 
     def mark(func: Callable[..., Any]) -> Callable[..., Any]:
-        setattr(func, _MARK, Command(name, summary, usage, aliases, arg, func))  # bound per owner later
+        details = inspect.getdoc(func) or ""
+        setattr(
+            func, _MARK, Command(name, summary, usage, aliases, arg, func, details)
+        )  # bound per owner later
         return func
 
     return mark

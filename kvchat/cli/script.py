@@ -16,6 +16,7 @@ The format:
   runs `/context` with the two lines as its text, and a line that is only `<<<` makes the block a
   chat message. The opening line carries the command, so each command runs as soon as its last line
   is read: a program can drive kvchat through a pipe and read each answer before sending more.
+- A `>>>` line with no block open is an error (it is never sent as a chat message).
 - Lines are UTF-8 (a leading byte-order mark is ignored; CRLF endings are fine). A line that is not
   valid UTF-8 or longer than 1 MiB is reported as a failed command, and so is a block holding one or
   left open at the end of input; reading goes on with the next line.
@@ -73,6 +74,10 @@ def read_commands(stream: BinaryIO) -> Iterator[ScriptCommand]:
             continue
         if stripped == BLOCK_OPEN or stripped.endswith(" " + BLOCK_OPEN):
             yield _read_block(lineno, stripped.removesuffix(BLOCK_OPEN).rstrip(), lines)
+        elif stripped == BLOCK_CLOSE:
+            yield ScriptCommand(
+                lineno, None, f"{BLOCK_CLOSE} with no block open (a line ending in {BLOCK_OPEN})"
+            )
         else:
             yield ScriptCommand(lineno, stripped)
 

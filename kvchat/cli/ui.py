@@ -16,6 +16,7 @@ from rich.theme import Theme
 from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceResult, StepEvent
 from kvchat.cli import jsonout, views
 from kvchat.cli.results import ChunkChange, ChunkList, HelpView, Notice, OutputList, Quit, SettingsView
+from kvchat.cli.softwrap import SoftWrap
 from kvchat.engine.records import PrefillProgress
 
 if TYPE_CHECKING:
@@ -54,7 +55,9 @@ class UI:
         )
         self.json_lines = json_lines
         self.debug = debug
-        self._open_kind: str | None = None  # "text"/"thinking" while a streamed line is unfinished
+        self._open_kind: str | None = None  # "text"/"thinking" while a stream of that kind is shown
+        self._line_open = False  # the last streamed text did not end its line
+        self._wrap: SoftWrap | None = None  # breaks streamed text at spaces, on a terminal
         self._prefill_bar: Progress | None = None
         self._prefill_task = TaskID(0)
 
@@ -74,9 +77,17 @@ class UI:
 
     def _stream(self, delta: str, kind: str) -> None:
         if self._open_kind not in (None, kind):
-            self.console.out("")  # thinking and answer on their own lines
-        self.console.out(delta, end="", style="thinking" if kind == "thinking" else None, highlight=False)
-        self._open_kind = None if delta.endswith("\n") else kind
+            self._end_stream()  # thinking and answer on their own lines
+        if self._open_kind is None and self.console.is_terminal:
+            self._wrap = SoftWrap(self.console.width)
+        self._open_kind = kind
+        self._write_stream(self._wrap.feed(delta) if self._wrap else delta)
+
+    def _write_stream(self, text: str) -> None:
+        if text:
+            style = "thinking" if self._open_kind == "thinking" else None
+            self.console.out(text, end="", style=style, highlight=False)
+            self._line_open = not text.endswith("\n")
 
     def _prefill_progress(self, event: PrefillProgress) -> None:
         if not self.err_console.is_terminal:
@@ -94,9 +105,11 @@ class UI:
             self._prefill_bar = None
 
     def _end_stream(self) -> None:
-        if self._open_kind is not None:
+        if self._wrap is not None:
+            self._write_stream(self._wrap.flush())
+        if self._line_open:
             self.console.out("")
-            self._open_kind = None
+        self._open_kind, self._wrap, self._line_open = None, None, False
 
     def show(self, cmd: str, record: object, line: int | None = None) -> None:
         """Render the record a command returned."""
@@ -106,8 +119,7 @@ class UI:
             self._json(jsonout.result_json(cmd, record, line))
             return
         for renderable in _renderables(record):
-            # One-line results stay one line however narrow the terminal; the terminal wraps them.
-            self.console.print(renderable, soft_wrap=isinstance(renderable, Text))
+            self._print(self.console, renderable)
 
     def error(self, cmd: str | None, message: str, line: int | None = None) -> None:
         """One red line on stderr for a command that failed (answers alone go to stdout); with --json
@@ -116,7 +128,7 @@ class UI:
         if self.json_lines:
             self._json(jsonout.error_json(cmd, message, line))
         where = f"line {line}: " if line is not None else ""
-        self.err_console.print(Text(f"error: {where}{message}", style="error"), soft_wrap=True)
+        self._print(self.err_console, Text(f"error: {where}{message}", style="error"))
 
     def _json(self, obj: dict[str, Any]) -> None:
         self.console.out(jsonout.dumps(obj), highlight=False)
@@ -128,7 +140,19 @@ class UI:
 
     def fatal(self, message: str) -> None:
         """The one line shown when kvchat cannot start."""
-        self.err_console.print(Text(f"kvchat: {message}", style="error"), soft_wrap=True)
+        self._print(self.err_console, Text(f"kvchat: {message}", style="error"))
+
+    @staticmethod
+    def _print(console: Console, renderable: RenderableType) -> None:
+        """On a terminal, rich wraps at spaces. Into a pipe or file a one-line result stays one line
+        however long, and no line ends in the spaces rich pads table cells with."""
+        if console.is_terminal:
+            console.print(renderable)
+            return
+        with console.capture() as captured:
+            console.print(renderable, soft_wrap=isinstance(renderable, Text))
+        console.file.write("\n".join(line.rstrip() for line in captured.get().split("\n")))
+        console.file.flush()
 
     def banner(self, model_id: str) -> None:
         if not self.json_lines:

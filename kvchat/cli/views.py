@@ -18,6 +18,7 @@ from kvchat.cli.results import ChunkChange, HelpView, SettingsView
 from kvchat.cli.settings import shown_value
 
 PREVIEW_CHARS = 48
+SHOWN_TOKEN_IDS = 64
 
 
 def preview(text: str, width: int = PREVIEW_CHARS) -> str:
@@ -52,6 +53,13 @@ def id_ranges(ids: list[int]) -> str:
         else:
             runs.append([block_id, block_id])
     return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs) or "—"
+
+
+def token_list(token_ids: list[int], limit: int = SHOWN_TOKEN_IDS) -> str:
+    """The first `limit` ids; the rest are counted (`--json` has them all)."""
+    shown = " ".join(map(str, token_ids[:limit]))
+    more = len(token_ids) - limit
+    return f"{shown} … {more} more (--json lists all)" if more > 0 else shown or "—"
 
 
 def chunk_line(change: ChunkChange) -> Text:
@@ -102,9 +110,12 @@ def chunks_table(chunks: list[ChunkInfo]) -> RenderableType:
 def outputs_table(outputs: list[ChunkInfo]) -> RenderableType:
     if not outputs:
         return Text("no retained outputs", style="muted")
-    table = Table("output", "text", "tokens", "id", box=None, pad_edge=False)
+    table = Table("output", "text", "tokens", "end", "id", box=None, pad_edge=False)
     for c in outputs:
-        table.add_row(str(c.output_number), preview(c.text), str(c.num_tokens), c.chunk_id)
+        end = (
+            Text(f"{c.finish_reason} (truncated)", style="warning") if c.truncated else c.finish_reason or ""
+        )
+        table.add_row(str(c.output_number), preview(c.text), str(c.num_tokens), end, c.chunk_id)
     return table
 
 
@@ -113,6 +124,7 @@ def detail_view(detail: ChunkDetail) -> RenderableType:
     facts = Table.grid(padding=(0, 2))
     facts.add_row("chunk", f"#{info.number} {info.role} {info.chunk_id}")
     facts.add_row("tokens", str(info.num_tokens))
+    facts.add_row("token ids", token_list(detail.token_ids))
     facts.add_row("positions", span(detail.positions) if detail.positions is not None else "not in context")
     facts.add_row(
         "KV computed at", span(detail.kv_positions) if detail.kv_positions is not None else "no KV kept"
@@ -208,7 +220,8 @@ def help_view(view: HelpView) -> RenderableType:
     if view.topic is not None:
         cmd = view.topic
         aliases = f"  (also {', '.join('/' + a for a in cmd.aliases)})" if cmd.aliases else ""
-        return Text.assemble((cmd.synopsis, "id"), aliases, "\n", cmd.summary)
+        details = f"\n\n{cmd.details}" if cmd.details else ""
+        return Text.assemble((cmd.synopsis, "id"), aliases, "\n", cmd.summary, details)
     table = Table.grid(padding=(0, 2))
     table.add_row(Text("TEXT", style="id"), "Chat: add a user turn, generate the answer")
     for cmd in view.commands:

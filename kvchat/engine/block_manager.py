@@ -84,6 +84,10 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
+    def reset_stats(self) -> None:
+        """Start the hit-rate counts afresh (a session reset); the cached KV itself is untouched."""
+        self.hit_tokens = self.lookup_tokens = 0
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free
 
