@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from kvchat.chunks.compose import ComposedSequence, compose
 from kvchat.chunks.registry import Chunk
 from kvchat.chunks.spans import KVSpan
-from kvchat.chunks.types import InferenceResult, StepEvent
+from kvchat.chunks.types import InferenceResult, ReuseMode, StepEvent
 from kvchat.engine.detokenizer import StreamDetokenizer, split_think
 from kvchat.engine.generate import GenerationStep, PrefillProgress, generate
 from kvchat.engine.rope import rotary_inv_freq
@@ -21,9 +21,15 @@ if TYPE_CHECKING:
 
 
 def build(
-    cm: ContextManager, chunks: list[Chunk], reserve_tokens: int = 0, release_live: bool = True
+    cm: ContextManager,
+    chunks: list[Chunk],
+    reserve_tokens: int = 0,
+    release_live: bool = True,
+    mode: ReuseMode | None = None,
 ) -> ComposedSequence:
-    """The context's sequence with KV reused per the manager's mode, room checked for the answer."""
+    """The context's sequence with KV reused per `mode` (default: the manager's), room checked for
+    the answer."""
+    mode = cm.mode if mode is None else mode
     if release_live:
         cm._release_live()  # its blocks stay cached, so the new sequence can still share them
     gen_ids = cm.format.generation_prompt_ids()
@@ -35,9 +41,9 @@ def build(
             f"this context ({num_tokens} tokens) plus {reserve_tokens} for the answer does not fit in "
             f"the KV budget ({capacity} tokens); drop chunks or raise --kv-memory"
         )
-    inv_freq = rotary_inv_freq(engine.model) if cm.mode.value != "exact" else None
+    inv_freq = rotary_inv_freq(engine.model) if mode is not ReuseMode.EXACT else None
     try:
-        composed = compose(engine, chunks, gen_ids, cm.mode, cm.repair, inv_freq)
+        composed = compose(engine, chunks, gen_ids, mode, cm.repair, inv_freq)
     except CacheFullError as err:
         raise CacheFullError(f"{err}. {_what_to_delete(cm)}") from None
     missing = -(-(num_tokens + reserve_tokens) // engine.block_size) - len(composed.seq.block_table)
