@@ -193,3 +193,17 @@ def _shares(
             )
         )
     return out
+
+
+def token_pieces(tokenizer, token_ids: list[int]) -> list[str]:
+    """Each token's text, cut from decodes of growing prefixes so multi-byte characters stay whole
+    (a token that ends inside a character gets the empty string, the next one the character)."""
+    pieces, done = [], ""
+    for i in range(1, len(token_ids) + 1):
+        text = tokenizer.decode(token_ids[:i])
+        if text.endswith("\ufffd") and i < len(token_ids):
+            pieces.append("")
+            continue
+        pieces.append(text[len(done) :])
+        done = text
+    return pieces

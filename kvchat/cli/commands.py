@@ -9,10 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvchat.chunks.attention import AttentionReport, attention_map
+from kvchat.chunks.blockmap import BlockMap, cache_map
+from kvchat.chunks.compare import Comparison
 from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, ReuseMode
+from kvchat.cli import cache_commands
 from kvchat.cli.registry import ArgKind, Command, CommandRegistry, command, split_command
 from kvchat.cli.results import (
     ChunkChange,
+    ChunkHeat,
     ChunkList,
     HelpView,
     Inference,
@@ -97,9 +102,20 @@ class Shell:
     def chunks(self, arg: str) -> ChunkList:
         return ChunkList(self.ctx.chunks())
 
-    @command("show", "Show one chunk: text, tokens, positions, blocks", usage="N|ID", arg=ArgKind.CHUNK)
-    def show(self, arg: str) -> ChunkDetail:
-        return self.ctx.chunk(arg)
+    @command(
+        "show",
+        "Show one chunk: text, tokens, positions, blocks; with heat, what the last answer attended to",
+        usage="N|ID [heat]",
+        arg=ArgKind.CHUNK,
+    )
+    def show(self, arg: str) -> ChunkDetail | ChunkHeat:
+        ref, _, option = arg.partition(" ")
+        if option.strip() not in ("", "heat"):
+            raise CommandError(f"unknown option {option.strip()!r}: /show N|ID [heat]")
+        detail = self.ctx.chunk(ref)
+        if not option.strip():
+            return detail
+        return cache_commands.heat(self.ctx, detail)
 
     @command("drop", "Remove a chunk from the context", usage="N|ID", arg=ArgKind.CHUNK)
     def drop(self, arg: str) -> ChunkChange:
@@ -118,6 +134,28 @@ class Shell:
     @command("stats", "KV cache blocks, bytes and hit rate")
     def stats(self, arg: str) -> CacheStats:
         return self.ctx.stats()
+
+    @command("blocks", "Map of the KV pool: each block's chunk, sharing, pins, moved KV")
+    def blocks(self, arg: str) -> BlockMap:
+        return cache_map(self.ctx)
+
+    @command(
+        "attention",
+        "Share of attention the last answer (or output N) paid to each chunk of its context",
+        usage="[N]",
+        arg=ArgKind.OUTPUT,
+    )
+    def attention(self, arg: str) -> AttentionReport:
+        return attention_map(self.ctx, _count(arg) if arg else None)
+
+    @command(
+        "compare",
+        "Answer the query under each mode (default: exact reposition repair), greedily, side by side",
+        usage="[MODE...]",
+        arg=ArgKind.MODE,
+    )
+    def compare(self, arg: str) -> Comparison:
+        return cache_commands.compare(self.ctx, arg, self.settings.sampling)
 
     @command("set", "Change a setting, or list them all", usage="[KEY VALUE]", arg=ArgKind.SETTING)
     def set(self, arg: str) -> SettingsView | Notice:
