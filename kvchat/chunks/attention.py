@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
+from kvchat.chunks.blockmap import live_chunks
 from kvchat.chunks.compose import chunk_ranges
 from kvchat.chunks.registry import Chunk
+from kvchat.chunks.types import Role
 from kvchat.errors import ChunkError
 
 if TYPE_CHECKING:
@@ -69,8 +71,7 @@ def layer_groups(num_layers: int) -> dict[str, range]:
 
 def attention_map(cm: ContextManager, output_number: int | None = None) -> AttentionReport:
     """The attention report of retained output `output_number` (default: the last answer)."""
-    output = _output(cm, output_number)
-    context = _context_of(cm, output)
+    context, output = _context_and_output(cm, output_number)
     gen_len = len(cm.format.generation_prompt_ids())
     close = cm.format.assistant_close_ids()
     tokens = [t for c in context for t in c.token_ids] + output.token_ids
@@ -92,6 +93,17 @@ def attention_map(cm: ContextManager, output_number: int | None = None) -> Atten
         token_weights=weights.mean(dim=0).tolist(),
         positions={c.chunk_id: (a, b) for c, a, b in ranges},
     )
+
+
+def _context_and_output(cm: ContextManager, number: int | None) -> tuple[list[Chunk], Chunk]:
+    """The answer's context and its output chunk; for the last inference, read off the live sequence."""
+    chunks = live_chunks(cm)
+    held = sum(len(c.token_ids) for c in chunks)
+    if chunks and cm.live is not None and held == cm.live.num_tokens and chunks[-1].role is Role.OUTPUT:
+        if number is None or chunks[-1].output_number == number:
+            return chunks[:-1], chunks[-1]
+    output = _output(cm, number)
+    return _context_of(cm, output), output
 
 
 def _output(cm: ContextManager, number: int | None) -> Chunk:

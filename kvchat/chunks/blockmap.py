@@ -93,20 +93,20 @@ def block_map(
     the chunks the live sequence's tokens start with, in order."""
     owners: dict[int, list[str]] = {}
     moved: set[int] = set()
+    if live is not None and live.block_table:
+        for chunk, start, end in chunk_ranges(live_chunks):
+            for block_id in live.blocks_covering(start, end):
+                owners.setdefault(block_id, []).append(chunk.chunk_id)
+        moved.update(live.blocks_covering(live.exact_limit, live.num_computed))
     for chunk in chunks:
         span = chunk.span
         if span is None or not span.is_valid(blocks):
             continue
         for block_id in span.block_ids:
-            owners.setdefault(block_id, []).append(chunk.chunk_id)
+            if chunk.chunk_id not in owners.setdefault(block_id, []):
+                owners[block_id].append(chunk.chunk_id)
             if not span.exact:
                 moved.add(block_id)
-    if live is not None and live.block_table:
-        for chunk, start, end in chunk_ranges(live_chunks):
-            for block_id in live.blocks_covering(start, end):
-                if chunk.chunk_id not in owners.setdefault(block_id, []):
-                    owners[block_id].append(chunk.chunk_id)
-        moved.update(live.blocks_covering(live.exact_limit, live.num_computed))
     cells = [_cell(blocks, b, owners.get(b, []), b not in moved) for b in range(blocks.num_blocks)]
     kept = [c for c in cells if c is not None]
     by_id = {c.chunk_id: c for c in chunks}
