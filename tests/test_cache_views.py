@@ -9,14 +9,19 @@ import torch
 
 from kvchat.chunks.attention import attention_map, layer_groups
 from kvchat.chunks.blockmap import block_map
+from kvchat.chunks.compare import compare_modes
+from kvchat.chunks.context import ContextManager
 from kvchat.chunks.registry import ChunkRegistry
 from kvchat.chunks.spans import KVSpan
+from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import ReuseMode, Role
 from kvchat.cli.commands import Shell
 from kvchat.cli.runner import Status, run_line
 from kvchat.cli.ui import UI
 from kvchat.config import load_settings
 from kvchat.engine.block_manager import BlockManager
+from kvchat.engine.engine import Engine
+from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
 from tests.test_context import GREEDY, make_manager, text
 from tests.tiny_models import KINDS, make_tiny_model
@@ -197,3 +202,20 @@ def test_views_render_at_narrow_and_wide_widths(width):
         assert max(len(x) for x in out.splitlines()) <= width, (line, out)
     assert "×" in run("/blocks")  # the long run of free blocks is one line
     assert "context" in run("/attention") and "repair" in run("/compare repair exact")
+
+
+def test_compare_exact_equals_infer_on_smollm2(smollm2):
+    """A real model answers with words, so equal answers mean something; the other modes are reported."""
+    model, tokenizer = smollm2
+    engine = Engine(model, kv_memory_bytes=64 << 20, block_size=16)
+    cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id}))
+    cm.set_system("You are a concise assistant.")
+    cm.add_context("The Rhine rises in the Swiss Alps and flows north into the North Sea.")
+    cm.set_query("Where does the Rhine end?")
+    params = SamplingParams(max_tokens=12)
+    comparison = compare_modes(cm, [ReuseMode.EXACT, ReuseMode.REPOSITION], params)
+    inferred = cm.infer_blocking(params)
+    exact = comparison.results[0]
+    assert exact.output == inferred.text and exact.output
+    assert exact.token_ids == [t for t in inferred.token_ids if t not in cm.eos_token_ids]
+    assert exact.agreement == 1.0 and exact.first_difference is None

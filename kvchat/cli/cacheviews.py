@@ -16,11 +16,11 @@ from kvchat.cli.results import ChunkHeat
 
 _BASE = ("blue", "green", "magenta", "cyan", "yellow", "red")
 PALETTE = _BASE + tuple(f"bright_{c}" for c in _BASE)
-KEYS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+KEYS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # lowercase marks moved KV; chunks past Z share "#"
 CELL = 3  # a key letter, a marker, a space
 PCT = 7  # a space and "100.0%"
 MAX_BAR = 24
-MARKERS = "+ pinned  * pinned, shared  = shared  ~ moved KV  . cached  ·· free"
+MARKERS = "+ pinned  * pinned, shared  = shared  . cached  ·· free  lowercase: moved KV"
 
 
 @dataclass(frozen=True)
@@ -69,13 +69,11 @@ def _glyph(cell: BlockCell | None, keys: dict[str, tuple[str, str]]) -> tuple[st
     key, color = keys.get(cell.chunk_ids[0], ("?", "white")) if cell.chunk_ids else ("-", "white")
     if cell.state == CACHED:
         return key + ".", color
-    if not cell.exact:
-        marker = "~"
-    elif cell.state == PINNED:
+    if cell.state == PINNED:
         marker = "*" if cell.ref_count > 1 else "+"
     else:
         marker = "=" if cell.ref_count > 1 else " "
-    return key + marker, f"bold black on {color}"
+    return (key if cell.exact else key.lower()) + marker, f"bold black on {color}"
 
 
 def _runs(glyphs: list[tuple[str, str]]) -> list[tuple[int, int, tuple[str, str]]]:
@@ -104,7 +102,7 @@ def _legend(m: BlockMap, keys: dict[str, tuple[str, str]]) -> RenderableType:
         role = f"output {k.output_number}" if k.output_number is not None else str(k.role)
         grid.add_row(
             Text(key, style=f"bold black on {color}"),
-            f"#{k.number} {role} {k.chunk_id} · {k.num_blocks} blocks",
+            f"#{k.number} {role} {k.chunk_id} · {k.num_blocks} block{'s' if k.num_blocks != 1 else ''}",
         )
     return Group(grid, Text(MARKERS, style="muted"))
 
