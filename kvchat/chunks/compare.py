@@ -1,7 +1,8 @@
 """`/compare`: the current query answered under several reuse modes from the same cached chunks.
 
-Every mode decodes greedily, whatever the sampling settings: with the sampler's randomness out, a
-difference between two answers comes from the KV alone. Nothing is kept: each mode's sequence is freed
+Every mode decodes greedily (the argmax of the model's logits: no temperature, no repetition penalty),
+whatever the sampling settings: with the sampler out, a difference between two answers comes from the
+KV alone. Nothing is kept: each mode's sequence is freed
 when its answer is done, no output is retained, the live conversation is left as it was. Exact runs
 last, because the exact KV it computes would otherwise be found, and shared, by the modes after it.
 """
