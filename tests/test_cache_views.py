@@ -219,3 +219,26 @@ def test_compare_exact_equals_infer_on_smollm2(smollm2):
     assert exact.output == inferred.text and exact.output
     assert exact.token_ids == [t for t in inferred.token_ids if t not in cm.eos_token_ids]
     assert exact.agreement == 1.0 and exact.first_difference is None
+
+
+def test_heat_of_a_chunk_sums_to_its_attention_share_and_errors_are_one_line():
+    cm = make_manager(make_tiny_model("qwen3", vocab_size=VOCAB))
+    run = make_shell(cm, json_lines=True)
+    out = io.StringIO()
+    ui = UI(color=False, json_lines=True, file=out, err_file=out)
+    shell = Shell(cm, load_settings(None, {}))
+    for line in ("/attention", "/compare", "/compare exact sideways"):
+        assert run_line(shell, ui, line) is Status.FAILED
+    errors = [json.loads(x)["error"] for x in out.getvalue().splitlines()]
+    assert errors == [
+        "no answer yet: /infer or chat first",
+        "no query to answer: set one with /query TEXT",
+        "unknown mode 'sideways': choose from exact, reposition, repair",
+    ]
+    setup_context(cm)
+    run("/infer")
+    shares = {c["chunk_id"]: c["attention_share"] for c in json.loads(run("/attention"))["chunks"]}
+    heat = json.loads(run("/show 2 heat"))
+    assert len(heat["heat"]) == len(heat["pieces"]) == heat["chunk"]["num_tokens"]
+    assert "".join(heat["pieces"]) == cm.tokenizer.decode(heat["chunk"]["token_ids"])
+    assert sum(heat["heat"]) == pytest.approx(shares[heat["chunk"]["chunk_id"]], abs=1e-5)
