@@ -166,4 +166,5 @@ def test_save_then_load_in_a_fresh_process_gives_the_same_answer_without_recompu
     after = next(r for r in records(second) if r["cmd"] == "infer")
     assert after["output"] == before["output"]
     assert after["computed_tokens"] == 1  # the last prompt token, for logits; no loaded chunk recomputed
-    assert all(c["num_computed"] == 0 for c in after["chunks"])
+    *chunks, answer_prompt = after["chunks"]
+    assert all(c["num_computed"] == 0 for c in chunks) and answer_prompt["chunk_id"] is None

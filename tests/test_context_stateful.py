@@ -1,7 +1,12 @@
-"""Random sequences of register, compose, infer, delete, save and load keep the cache coherent, and
-exact mode always equals a full recompute."""
+"""Random sequences of register, compose, infer, chat, verify, delete, save and load, with Ctrl-C and
+failures injected at random points and two inferences interleaved, keep the cache coherent: after
+every step the block manager's references are exactly what the kept chunks and the live sequence
+hold, and after `reset()` every block is free. Exact mode always equals a full recompute."""
 
+import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -10,9 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvchat.chunks.context import ContextManager
-from kvchat.chunks.inference import build
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import ReuseMode
+from kvchat.chunks.types import InferenceResult, ReuseMode
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import KvchatError
@@ -20,17 +24,64 @@ from tests.hf_tokenizers import load_smollm2_tokenizer
 from tests.tiny_models import make_tiny_model
 
 MODEL = make_tiny_model("qwen2", vocab_size=49152, seed=1)
+TOKENIZER = load_smollm2_tokenizer()
 TEXTS = st.lists(
     st.sampled_from("red green blue river stone cloud quick slow dog owl".split()), min_size=1, max_size=12
 )
 TMP = Path(tempfile.mkdtemp(prefix="kvchat-stateful-"))
+# Engine entry points a fault can be injected into; _forward, _record and pool writes land mid-operation.
+FAULT_POINTS = ("start", "extend", "compute", "write_kv", "gather", "_forward", "_record")
+FAULTS = st.sampled_from([KeyboardInterrupt, RuntimeError])
 
 
 def new_manager() -> ContextManager:
-    tokenizer = load_smollm2_tokenizer()
     block_bytes = Engine(MODEL, kv_memory_bytes=1 << 20, block_size=4).bytes_per_block
     engine = Engine(MODEL, kv_memory_bytes=block_bytes * 96, block_size=4, prefill_chunk=8)
-    return ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({2}), fingerprint="tiny")
+    return ContextManager(engine, ChatFormat(TOKENIZER), TOKENIZER, frozenset({2}), fingerprint="tiny")
+
+
+@contextmanager
+def fault_after(engine: Engine, num_calls: int, fault: type[BaseException]) -> Iterator[None]:
+    """Raise `fault` at the `num_calls`-th call into any of the engine's FAULT_POINTS."""
+    count = 0
+
+    def wrap(method):
+        def faulty(*args, **kwargs):
+            nonlocal count
+            count += 1
+            if count == num_calls:
+                raise fault("injected")
+            return method(*args, **kwargs)
+
+        return faulty
+
+    for name in FAULT_POINTS:
+        setattr(engine, name, wrap(getattr(engine, name)))
+    try:
+        yield
+    finally:
+        for name in FAULT_POINTS:
+            delattr(engine, name)
+
+
+def drain(stream) -> InferenceResult | None:
+    items = list(stream)
+    return items[-1] if items and isinstance(items[-1], InferenceResult) else None
+
+
+def assert_refs_match(cm: ContextManager) -> None:
+    """Every reference on a block is one the manager can name: no leak, no double release."""
+    blocks = cm.engine.blocks
+    blocks.check_invariants()
+    held = cm.held_blocks()
+    pinned = {b: 0 for b in held}
+    for chunk in cm.registry.chunks.values():
+        if chunk.span is not None and chunk.span.pinned:
+            for b in chunk.span.block_ids:
+                pinned[b] += 1
+    for block in blocks.blocks:
+        assert block.ref_count == held.get(block.block_id, 0), f"block {block.block_id} leaked"
+        assert block.pin_count == pinned.get(block.block_id, 0)
 
 
 class ContextMachine(RuleBasedStateMachine):
@@ -62,12 +113,82 @@ class ContextMachine(RuleBasedStateMachine):
     def infer(self, mode, max_tokens):
         self.cm.mode = mode
         try:
-            *_, result = self.cm.infer(SamplingParams(max_tokens=max_tokens))
+            result = drain(self.cm.infer(SamplingParams(max_tokens=max_tokens)))
         except KvchatError:
             return  # a full cache is refused cleanly; the invariants still hold
+        assert result is not None and result.output_number is not None
+        assert sum(r.num_computed for r in result.chunks) == result.computed_tokens
         assert (
             result.reused_tokens + result.repositioned_tokens + result.computed_tokens == result.prompt_tokens
         )
+
+    @rule(
+        op=st.sampled_from(["infer", "chat", "verify", "load"]),
+        mode=st.sampled_from(ReuseMode),
+        at=st.integers(1, 40),
+        fault=FAULTS,
+    )
+    def fault_injected(self, op, mode, at, fault):
+        cm = self.cm
+        cm.mode = mode
+        path = TMP / "fault.safetensors"
+        if op == "load":
+            cm.save(path)
+        with fault_after(cm.engine, at, fault):
+            try:
+                if op == "infer" and cm.query is not None:
+                    drain(cm.infer(SamplingParams(max_tokens=4)))
+                elif op == "chat":
+                    drain(cm.chat("hello there", SamplingParams(max_tokens=4)))
+                elif op == "verify" and cm.query is not None:
+                    cm.verify(3)
+                elif op == "load":
+                    cm.load(path)
+            except (KeyboardInterrupt, RuntimeError, KvchatError):
+                pass
+
+    @rule(data=st.data(), max_tokens=st.integers(1, 6), at=st.integers(0, 8))
+    @precondition(lambda self: self.cm.query is not None)
+    def stopped_mid_stream(self, data, max_tokens, at):
+        """Ctrl-C thrown in at a yield, or the stream closed, after `at` items."""
+        stream = self.cm.infer(SamplingParams(max_tokens=max_tokens))
+        try:
+            for _ in range(at):
+                next(stream)
+            if data.draw(st.booleans()):
+                result = drain_thrown(stream)
+                assert result is None or result.finish_reason in ("cancelled", "stop", "length")
+            else:
+                stream.close()
+        except (StopIteration, KvchatError):
+            pass
+
+    @rule(data=st.data(), mode=st.sampled_from(ReuseMode))
+    @precondition(lambda self: self.cm.query is not None)
+    def interleaved_streams(self, data, mode):
+        self.cm.mode = mode
+        streams = [
+            self.cm.infer(SamplingParams(max_tokens=3)),
+            self.cm.chat("and then?", SamplingParams(max_tokens=3)),
+        ]
+        try:
+            while streams:
+                stream = data.draw(st.sampled_from(streams))
+                try:
+                    next(stream)
+                except StopIteration:
+                    streams.remove(stream)
+        except KvchatError:
+            for stream in streams:
+                stream.close()
+
+    @rule(temperature=st.sampled_from([1e-40, 1e-30, 0.5]), min_p=st.sampled_from([0.0, 0.999, 1.0]))
+    @precondition(lambda self: self.cm.query is not None)
+    def extreme_sampling(self, temperature, min_p):
+        try:
+            drain(self.cm.infer(SamplingParams(temperature=temperature, min_p=min_p, max_tokens=3, seed=0)))
+        except Exception:  # a failing inference (bad sampling values) must still leak nothing
+            pass
 
     @rule(data=st.data())
     @precondition(lambda self: self.cm.outputs())
@@ -89,11 +210,17 @@ class ContextMachine(RuleBasedStateMachine):
         self.cm = fresh
 
     @rule()
+    def reset(self):
+        self.cm.reset()
+        blocks = self.cm.engine.blocks
+        assert blocks.num_free == blocks.num_blocks and blocks.num_pinned == 0
+
+    @rule()
     @precondition(lambda self: self.cm.query is not None)
     def exact_equals_full_recompute(self):
         self.cm.mode = ReuseMode.EXACT
         try:
-            composed = build(self.cm, self.cm.context_chunks(), release_live=False)
+            composed = self.cm.compose()
         except KvchatError:
             return
         logits = self.cm.engine.compute(composed.seq)
@@ -104,8 +231,8 @@ class ContextMachine(RuleBasedStateMachine):
         assert (logits - full).abs().max() <= 1e-4
 
     @invariant()
-    def bookkeeping_is_coherent(self):
-        self.cm.engine.blocks.check_invariants()
+    def references_are_accounted_for(self):
+        assert_refs_match(self.cm)
 
     def teardown(self):
         self.cm.reset()
@@ -114,7 +241,21 @@ class ContextMachine(RuleBasedStateMachine):
         assert blocks.num_free == blocks.num_blocks and blocks.num_pinned == 0
 
 
+def drain_thrown(stream) -> InferenceResult | None:
+    """Throw KeyboardInterrupt in at the current yield, as the REPL's Ctrl-C does, and drain the rest."""
+    try:
+        first = stream.throw(KeyboardInterrupt)
+    except StopIteration:
+        return None
+    rest = list(stream)
+    last = (rest or [first])[-1]
+    return last if isinstance(last, InferenceResult) else None
+
+
 TestContextMachine = ContextMachine.TestCase
 TestContextMachine.settings = settings(
-    max_examples=25, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=int(os.environ.get("KVCHAT_STATEFUL_EXAMPLES", 200)),
+    stateful_step_count=10,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
 )

@@ -3,7 +3,6 @@
 import torch
 
 from kvchat.chunks.context import ContextManager
-from kvchat.chunks.inference import build
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import InferenceResult, Role, StepEvent
 from kvchat.engine.engine import Engine
@@ -65,7 +64,7 @@ def test_qwen25_default_system_prompt_is_an_explicit_chunk_and_exact_reuse_holds
     assert system.text == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
     cm.infer_blocking(SamplingParams(max_tokens=4))
     cm.set_query("And when one is given?")
-    composed = build(cm, cm.context_chunks())
+    composed = cm.compose()
     logits = engine.compute(composed.seq)
     with torch.inference_mode():
         full = model(input_ids=torch.tensor([composed.seq.token_ids])).logits[0, -1]

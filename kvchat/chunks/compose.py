@@ -33,6 +33,7 @@ class RepairPolicy:
 class ComposedSequence:
     seq: Sequence
     chunk_ranges: list[tuple[Chunk, int, int]]  # each chunk and its positions [start, end)
+    num_prompt: int  # the chunks' tokens and the generation prompt after them
     num_reused: int  # leading positions whose exact KV was shared or copied
     repositioned: list[tuple[int, int]]  # position ranges filled with moved KV
 
@@ -41,12 +42,16 @@ class ComposedSequence:
         return sum(end - start for start, end in self.repositioned)
 
     def reports(self) -> list[ChunkReport]:
+        """Per chunk, then the generation prompt: what was reused, moved and computed so far."""
+        computed_until = min(self.seq.num_computed, self.num_prompt)
+        end_of_chunks = self.chunk_ranges[-1][2] if self.chunk_ranges else 0
+        rows = [(c.chunk_id, c.role, a, b) for c, a, b in self.chunk_ranges]
         out = []
-        for chunk, start, end in self.chunk_ranges:
+        for chunk_id, role, start, end in [*rows, (None, None, end_of_chunks, self.num_prompt)]:
             reused = max(0, min(end, self.num_reused) - start)
             moved = sum(max(0, min(end, b) - max(start, a)) for a, b in self.repositioned)
-            n = end - start
-            out.append(ChunkReport(chunk.chunk_id, chunk.role, n, reused, moved, n - reused - moved))
+            done = max(0, min(end, computed_until) - start)
+            out.append(ChunkReport(chunk_id, role, end - start, reused, moved, done - reused - moved))
         return out
 
 
@@ -77,17 +82,14 @@ def compose(
             if chunk.span is not None and chunk.span.is_valid(engine.blocks) and end - start > 0
         ]
     held = sorted({b for chunk, _, _ in movable for b in chunk.span.block_ids})  # type: ignore[union-attr]
-    for block_id in held:  # keep the sources from being evicted by the allocation
-        engine.blocks.acquire(block_id)
-    try:
+    with engine.blocks.hold(held):  # keep the sources from being evicted by the allocation
         seq = engine.start(token_ids)
-        composed = ComposedSequence(seq, ranges, seq.num_computed, [])
-        for chunk, start, end in movable:
-            if end <= seq.num_computed or end >= len(token_ids):
-                continue  # already there, or the very last tokens (they must produce logits)
-            _place(engine, seq, chunk, start, end, mode, repair, inv_freq, composed)
-    finally:
-        engine.blocks.release(held)
+        with engine.owning(seq):
+            composed = ComposedSequence(seq, ranges, len(token_ids), seq.num_computed, [])
+            for chunk, start, end in movable:
+                if end <= seq.num_computed or end >= len(token_ids):
+                    continue  # already there, or the very last tokens (they must produce logits)
+                _place(engine, seq, chunk, start, end, mode, repair, inv_freq, composed)
     return composed
 
 

@@ -3,12 +3,15 @@ KV kept alive for them (retained outputs and the live conversation)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Generator
 from pathlib import Path
 
-from kvchat.chunks import inference, persist
-from kvchat.chunks.compose import RepairPolicy, chunk_ranges
+from kvchat.chunks import fidelity, persist
+from kvchat.chunks.compose import ComposedSequence, RepairPolicy, chunk_ranges
+from kvchat.chunks.inference import Answer, Inference, Setup, build
 from kvchat.chunks.registry import Chunk, ChunkRegistry
+from kvchat.chunks.spans import KVSpan
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import (
     CacheStats,
@@ -24,7 +27,8 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
-from kvchat.errors import CacheFullError, ChunkError
+from kvchat.errors import CacheFullError, ChunkError, StateFileError
+from kvchat.interrupts import interrupts_ignored
 
 InferenceStream = Generator[PrefillProgress | StepEvent | InferenceResult, None, None]
 
@@ -67,7 +71,7 @@ class ContextManager:
 
     # -- registering and composing -----------------------------------------------------------------
 
-    def register(self, role: Role, text: str) -> Chunk:
+    def register(self, role: Role, text: str, unique: bool = False) -> Chunk:
         if not text.strip():
             raise ChunkError(f"empty {role.value} text")
         token_ids = self.format.segment_ids(_TEMPLATE_ROLE[role], text)
@@ -77,7 +81,7 @@ class ContextManager:
                 f"{role.value} chunk of {len(token_ids)} tokens is larger than the whole KV budget "
                 f"({capacity} tokens); raise --kv-memory"
             )
-        return self.registry.add(role, text, token_ids)
+        return self.registry.add(role, text, token_ids, unique=unique)
 
     def set_system(self, text: str) -> ChunkInfo:
         self.system = self.register(Role.SYSTEM, text).chunk_id
@@ -101,6 +105,11 @@ class ContextManager:
 
     def drop(self, ref: str) -> ChunkInfo:
         chunk = self.registry.find(ref)
+        if chunk.is_default:
+            raise ChunkError(
+                f"chunk {chunk.number} is the chat template's default system prompt, used while no other "
+                "is set; replace it with /system TEXT"
+            )
         if not self._remove_from_context(chunk.chunk_id):
             raise ChunkError(f"chunk {chunk.number} is not in the context")
         return self.info(chunk.chunk_id)
@@ -143,13 +152,12 @@ class ContextManager:
         """Generate from the current context and query; yields steps, then the InferenceResult."""
         if self.query is None and not self.turns:
             raise ChunkError("no query to answer: set one with /query TEXT")
-        return inference.run(self, self.context_chunks(), params)
+        return self._run(self.context_chunks(), params)
 
     def chat(self, text: str, params: SamplingParams) -> InferenceStream:
         """Append a user turn, generate, and append the answer as an assistant turn."""
-        turn = self.register(Role.USER, text)
-        chunks = self.context_chunks(with_query=False) + [turn]
-        return inference.run(self, chunks, params, turn=turn)  # the turn joins the context with its answer
+        turn = self.register(Role.USER, text, unique=True)
+        return self._run(self.context_chunks(with_query=False) + [turn], params, turn=turn)
 
     def infer_blocking(self, params: SamplingParams) -> InferenceResult:
         """`infer` without streaming: the InferenceResult alone."""
@@ -162,10 +170,86 @@ class ContextManager:
         assert isinstance(result, InferenceResult)
         return result
 
-    def verify(self, num_tokens: int = 16) -> FidelityReport:
-        from kvchat.chunks.fidelity import verify
+    def compose(self, reserve_tokens: int = 0) -> ComposedSequence:
+        """The current context's sequence as the mode composes it. The caller frees `.seq`."""
+        return self._build(self.context_chunks(), reserve_tokens)
 
-        return verify(self, num_tokens)
+    def verify(self, num_tokens: int = 16) -> FidelityReport:
+        """Compare the reuse mode with a full recompute of the current context over `num_tokens`."""
+        if self.query is None and not self.turns:
+            raise ChunkError("nothing to verify: set a query with /query TEXT")
+        if num_tokens < 1:
+            raise ChunkError("verify needs at least 1 token to compare")
+        composed = self.compose(reserve_tokens=num_tokens)
+        return fidelity.verify(composed, self.engine, self.mode, self.eos_token_ids, num_tokens)
+
+    @property
+    def setup(self) -> Setup:
+        return Setup(self.engine, self.format, self.tokenizer, self.eos_token_ids, self.mode, self.repair)
+
+    def _build(self, chunks: list[Chunk], reserve_tokens: int) -> ComposedSequence:
+        try:
+            return build(self.setup, chunks, reserve_tokens)
+        except CacheFullError as err:
+            raise CacheFullError(f"{err}. {self._what_to_delete()}") from None
+
+    def _run(self, chunks: list[Chunk], params: SamplingParams, turn: Chunk | None = None) -> InferenceStream:
+        """One inference, owned from composing to settling: whatever way it ends (an answer, an error,
+        Ctrl-C anywhere, the stream closed), its blocks are either kept by this manager or freed."""
+        self._release_live()  # its blocks stay cached, so the new sequence can still share them
+        run = Inference(self.setup, chunks, params, compose=self._build)
+        output: Chunk | None = None
+        try:
+            try:
+                yield from run.steps()
+            except GeneratorExit:
+                self._settle(run, chunks, turn)  # the answer so far is kept
+                raise
+            output = self._settle(run, chunks, turn)
+        finally:
+            run.release()
+            if output is None and turn is not None and turn.chunk_id not in self.turns:
+                self.registry.remove(turn.chunk_id)  # a turn joins only together with its answer
+        yield run.result(output)
+
+    def _settle(self, run: Inference, chunks: list[Chunk], turn: Chunk | None) -> Chunk | None:
+        """Close the turn and keep it: the output chunk, the spans of the chunks it computed, the live
+        sequence. Ctrl-C is ignored meanwhile: the turn is ending anyway."""
+        with interrupts_ignored():
+            answer = run.close_turn()
+            if answer is None:
+                return None  # cancelled in the prefill: what it computed stays cached
+            return self._keep(answer, run.adopt(), run, chunks, turn)
+
+    def _keep(
+        self, answer: Answer, seq: Sequence, run: Inference, chunks: list[Chunk], turn: Chunk | None
+    ) -> Chunk:
+        blocks = self.engine.blocks
+        self._release_live()
+        self.live = seq
+        exact = seq.exact_limit >= seq.num_tokens
+        output = self.registry.add_output(
+            answer.text,
+            answer.token_ids,
+            had_think=answer.had_think,
+            source_ids=tuple(c.chunk_id for c in chunks),
+        )
+        output.span = KVSpan.of(blocks, seq, answer.start, seq.num_tokens, exact, pinned=True)
+        assert run.composed is not None
+        for chunk, a, b in run.composed.chunk_ranges:
+            if b <= seq.exact_limit and (chunk.span is None or not chunk.span.is_valid(blocks)):
+                chunk.span = KVSpan.of(blocks, seq, a, b, exact=True, pinned=False)
+        if turn is not None:
+            self.turns += [turn.chunk_id, output.chunk_id]
+        return output
+
+    def held_blocks(self) -> Counter[int]:
+        """The references this manager holds on each block: the live sequence's and the pinned spans'."""
+        held: Counter[int] = Counter(self.live.block_table if self.live else [])
+        for chunk in self.registry.chunks.values():
+            if chunk.span is not None and chunk.span.pinned:
+                held.update(chunk.span.block_ids)
+        return held
 
     # -- views -------------------------------------------------------------------------------------
 
@@ -228,10 +312,39 @@ class ContextManager:
     # -- persistence -------------------------------------------------------------------------------
 
     def save(self, path: Path) -> int:
-        return persist.save(self, Path(path))
+        """Write the chunks, the context and their KV to `path`; returns the number of chunks saved."""
+        context = persist.Context(self.system, self.middle, self.turns, self.query)
+        return persist.save(
+            self.engine, self._layout(), list(self.registry.chunks.values()), context, self.live, Path(path)
+        )
 
     def load(self, path: Path) -> int:
-        return persist.load(self, Path(path))
+        """Replace the session with the one saved in `path`; returns the number of chunks. A file that
+        is unreadable, made for another model or too big for the cache changes nothing."""
+        saved = persist.read(self.engine, self._layout(), Path(path))
+        held = self.held_blocks()
+        reclaimable = sum(1 for b, n in held.items() if self.engine.blocks.blocks[b].ref_count == n)
+        available = self.engine.blocks.num_free + reclaimable
+        if saved.num_blocks > available:
+            raise StateFileError(
+                f"{path}: needs {saved.num_blocks} KV blocks, this session can free {available} "
+                f"of {self.engine.blocks.num_blocks}; raise --kv-memory"
+            )
+        self.reset()
+        live, chunks = persist.restore(self.engine, saved)
+        self.registry.restore(chunks)
+        self.live = live
+        ctx = saved.context
+        self.system, self.middle, self.turns, self.query = (
+            ctx.system,
+            list(ctx.middle),
+            list(ctx.turns),
+            ctx.query,
+        )
+        return len(chunks)
+
+    def _layout(self) -> dict[str, object]:
+        return persist.layout(self.engine, self.model_id, self.fingerprint)
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -249,6 +362,15 @@ class ContextManager:
         if chunk.span is not None:
             chunk.span.release(self.engine.blocks)
         self.registry.remove(chunk.chunk_id)
+
+    def _what_to_delete(self) -> str:
+        kept = [
+            (c.output_number, len(c.span.block_ids)) for c in self.registry.outputs() if c.span is not None
+        ]
+        if not kept:
+            return "Nothing is kept that could be deleted; raise --kv-memory or lower --max-tokens."
+        listed = ", ".join(f"/delete-output {number} ({blocks} blocks)" for number, blocks in kept)
+        return f"Kept outputs that could be deleted: {listed}"
 
     def _release_live(self) -> None:
         if self.live is not None:

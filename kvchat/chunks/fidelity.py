@@ -3,16 +3,12 @@ recompute of the same tokens. This is how a user sees whether reuse changed what
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from kvchat.chunks.inference import build
-from kvchat.chunks.types import FidelityReport
-from kvchat.errors import CacheFullError, ChunkError
-
-if TYPE_CHECKING:
-    from kvchat.chunks.context import ContextManager
+from kvchat.chunks.compose import ComposedSequence
+from kvchat.chunks.types import FidelityReport, ReuseMode
+from kvchat.engine.engine import Engine
+from kvchat.errors import CacheFullError
 
 
 @torch.inference_mode()
@@ -32,18 +28,17 @@ def compare_logits(full: torch.Tensor, approx: torch.Tensor) -> tuple[float, boo
     )
 
 
-def verify(cm: ContextManager, num_tokens: int) -> FidelityReport:
-    """Compare the manager's mode with a full recompute on the current context."""
-    if cm.query is None and not cm.turns:
-        raise ChunkError("nothing to verify: set a query with /query TEXT")
-    if num_tokens < 1:
-        raise ChunkError("verify needs at least 1 token to compare")
-    engine = cm.engine
-    chunks = cm.context_chunks()
-    composed = build(cm, chunks, reserve_tokens=num_tokens, release_live=False)
+def verify(
+    composed: ComposedSequence,
+    engine: Engine,
+    mode: ReuseMode,
+    eos_token_ids: frozenset[int],
+    num_tokens: int,
+) -> FidelityReport:
+    """Compare a composed context (whose sequence this takes over and frees) with a full recompute of
+    the same tokens, teacher-forced over up to `num_tokens` greedy tokens."""
     approx_seq = composed.seq
-    full_seq = None
-    try:
+    with engine.owning(approx_seq):
         approx = engine.compute(approx_seq)
         try:
             full_seq = engine.start(list(approx_seq.token_ids), reuse=False)
@@ -52,6 +47,7 @@ def verify(cm: ContextManager, num_tokens: int) -> FidelityReport:
                 f"/verify needs room for a second, fully recomputed copy of the context "
                 f"({approx_seq.num_blocks_needed} blocks; {engine.blocks.num_free} free): raise --kv-memory"
             ) from None
+    try:
         full = engine.compute(full_seq)
         kl, top1, top5, max_diff = compare_logits(full, approx)
         # Teacher-forced: both sequences get the full recompute's greedy tokens, so every position
@@ -63,18 +59,16 @@ def verify(cm: ContextManager, num_tokens: int) -> FidelityReport:
             compared += 1
             matches += same
             agree += same and agree == step
-            if token in cm.eos_token_ids or step + 1 == num_tokens:
+            if token in eos_token_ids or step + 1 == num_tokens:
                 break
             for seq in (approx_seq, full_seq):
                 engine.extend(seq, [token])
             approx, full = engine.compute(approx_seq), engine.compute(full_seq)
     finally:
         engine.free(approx_seq)
-        if full_seq is not None:
-            engine.free(full_seq)
-    prompt_len = sum(len(c.token_ids) for c in chunks) + len(cm.format.generation_prompt_ids())
+        engine.free(full_seq)
     return FidelityReport(
-        mode=cm.mode,
+        mode=mode,
         kl_divergence=kl,
         top1_agree=top1,
         top5_overlap=top5,
@@ -84,5 +78,5 @@ def verify(cm: ContextManager, num_tokens: int) -> FidelityReport:
         top1_rate=matches / compared,
         reused_tokens=composed.num_reused,
         repositioned_tokens=composed.num_repositioned,
-        computed_tokens=prompt_len - composed.num_reused - composed.num_repositioned,
+        computed_tokens=composed.num_prompt - composed.num_reused - composed.num_repositioned,
     )

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -20,29 +20,47 @@ from safetensors.torch import save_file
 from kvchat.chunks.registry import Chunk
 from kvchat.chunks.spans import KVSpan
 from kvchat.chunks.types import Role
+from kvchat.engine.engine import Engine
+from kvchat.engine.sequence import Sequence
 from kvchat.errors import StateFileError
-
-if TYPE_CHECKING:
-    from kvchat.chunks.context import ContextManager
 
 FORMAT = "kvchat-state/1"
 
 
-def _layout(cm: ContextManager) -> dict:
-    e = cm.engine
+@dataclass(frozen=True)
+class Context:
+    """Which chunks the next inference sees, by id."""
+
+    system: str | None
+    middle: list[str]
+    turns: list[str]
+    query: str | None
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """A state file read and checked, not yet applied to anything."""
+
+    meta: dict
+    tensors: dict[str, torch.Tensor]
+    context: Context
+    num_blocks: int  # KV blocks restoring it takes
+
+
+def layout(engine: Engine, model_id: str, fingerprint: str) -> dict[str, object]:
+    """What a state file must match to be loaded (the model id is informative only)."""
     return {
-        "model_id": cm.model_id,
-        "fingerprint": cm.fingerprint,
-        "dtype": str(e.dtype).removeprefix("torch."),
-        "block_size": e.block_size,
-        "num_layers": e.num_layers,
-        "num_kv_heads": e.num_kv_heads,
-        "head_dim": e.head_dim,
+        "model_id": model_id,
+        "fingerprint": fingerprint,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "block_size": engine.block_size,
+        "num_layers": engine.num_layers,
+        "num_kv_heads": engine.num_kv_heads,
+        "head_dim": engine.head_dim,
     }
 
 
-def _in_live(cm: ContextManager, span: KVSpan) -> bool:
-    live = cm.live
+def _in_live(live: Sequence | None, span: KVSpan) -> bool:
     end = span.start_pos + span.num_tokens
     return (
         live is not None
@@ -52,19 +70,20 @@ def _in_live(cm: ContextManager, span: KVSpan) -> bool:
     )
 
 
-def save(cm: ContextManager, path: Path) -> int:
-    """Write the chunk set and its KV to `path` atomically; returns the number of chunks saved."""
-    engine, tensors, records = cm.engine, {}, []
-    live = cm.live
+def save(
+    engine: Engine, layout: dict, chunks: list[Chunk], context: Context, live: Sequence | None, path: Path
+) -> int:
+    """Write the chunks and their KV to `path` atomically; returns the number of chunks saved."""
+    tensors, records = {}, []
     if live is not None:
         tensors["live.keys"], tensors["live.values"] = engine.read_kv(live, 0, live.num_computed)
-    for chunk in cm.registry.chunks.values():
+    for chunk in chunks:
         record = {k: getattr(chunk, k) for k in ("chunk_id", "number", "text", "token_ids", "output_number")}
         record |= {"role": chunk.role.value, "had_think": chunk.had_think, "is_default": chunk.is_default}
         record["source_ids"] = list(chunk.source_ids)
         span = chunk.span
         if span is not None and span.is_valid(engine.blocks):
-            where = "live" if _in_live(cm, span) else "own"
+            where = "live" if _in_live(live, span) else "own"
             record["span"] = {k: getattr(span, k) for k in ("start_pos", "num_tokens", "exact", "pinned")}
             record["span"]["where"] = where
             if where == "own":
@@ -76,13 +95,14 @@ def save(cm: ContextManager, path: Path) -> int:
         records.append(record)
     meta = {
         "format": FORMAT,
-        "layout": _layout(cm),
+        "layout": layout,
         "chunks": records,
-        "context": {"system": cm.system, "middle": cm.middle, "turns": cm.turns, "query": cm.query},
+        "context": {"system": context.system, "middle": context.middle, "turns": context.turns,
+                    "query": context.query},
         "live": None
         if live is None
         else {"token_ids": live.token_ids[: live.num_computed], "exact": live.exact_limit},
-    }
+    }  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -95,7 +115,8 @@ def save(cm: ContextManager, path: Path) -> int:
     return len(records)
 
 
-def _read(cm: ContextManager, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def read(engine: Engine, layout: dict, path: Path) -> SavedState:
+    """Read and check a state file against this session's layout; changes nothing."""
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("kvchat", "null"))
@@ -106,18 +127,20 @@ def _read(cm: ContextManager, path: Path) -> tuple[dict, dict[str, torch.Tensor]
         raise StateFileError(f"{path}: not a readable kvchat state file ({err})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise StateFileError(f"{path}: not a kvchat state file")
-    mine = _layout(cm)
-    for key, want in mine.items():
+    for key, want in layout.items():
         if key != "model_id" and meta["layout"].get(key) != want:
             raise StateFileError(
                 f"{path}: made for {key}={meta['layout'].get(key)!r} "
                 f"(model {meta['layout'].get('model_id')!r}), this session has {key}={want!r}"
             )
-    return meta, tensors
+    c = meta["context"]
+    context = Context(c["system"], list(c["middle"]), list(c["turns"]), c["query"])
+    return SavedState(meta, tensors, context, _check_shapes(engine, meta, tensors))
 
 
-def _check_shapes(cm: ContextManager, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-    e = cm.engine
+def _check_shapes(engine: Engine, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
+    """The KV blocks the file's tensors take, once checked against the engine's shapes."""
+    e = engine
     need = 0
     expected: dict[str, int] = {}
     if meta["live"] is not None:
@@ -134,54 +157,58 @@ def _check_shapes(cm: ContextManager, meta: dict, tensors: dict[str, torch.Tenso
                     f"state file is truncated or damaged: {name}.{part} is missing or misshapen"
                 )
         need += -(-num_tokens // e.block_size)
-    if need > e.blocks.num_blocks:
-        raise StateFileError(f"state file needs {need} KV blocks, this session has {e.blocks.num_blocks}")
+    return need
 
 
-def load(cm: ContextManager, path: Path) -> int:
-    """Replace the session's chunks and KV with those saved in `path`; returns the number of chunks."""
-    meta, tensors = _read(cm, path)
-    _check_shapes(cm, meta, tensors)
-    cm.reset()
-    engine = cm.engine
-    if meta["live"] is not None:
-        live = engine.start(meta["live"]["token_ids"], reuse=False)
-        exact, keys, values = meta["live"]["exact"], tensors["live.keys"], tensors["live.values"]
-        engine.write_kv(live, 0, keys[:, :exact], values[:, :exact], exact=True)
-        if exact < live.num_tokens:
-            engine.write_kv(live, exact, keys[:, exact:], values[:, exact:])
-        cm.live = live
-    for record in meta["chunks"]:
-        chunk = Chunk(
-            record["chunk_id"], record["number"], Role(record["role"]), record["text"], record["token_ids"],
-            output_number=record["output_number"], had_think=record["had_think"],
-            source_ids=tuple(record["source_ids"]), is_default=record["is_default"],
-        )  # fmt: skip
-        span = record.get("span")
-        if span is not None:
-            chunk.span = _restore_span(cm, chunk, span, tensors)
-        cm.registry.chunks[chunk.chunk_id] = chunk
-    numbers = [r["number"] for r in meta["chunks"]] or [0]
-    outputs = [r["output_number"] or 0 for r in meta["chunks"]] or [0]
-    cm.registry._next_number, cm.registry._next_output = max(numbers) + 1, max(outputs) + 1
-    context = meta["context"]
-    cm.system, cm.middle, cm.turns, cm.query = (
-        context["system"],
-        context["middle"],
-        context["turns"],
-        context["query"],
-    )
-    return len(meta["chunks"])
+def restore(engine: Engine, saved: SavedState) -> tuple[Sequence | None, list[Chunk]]:
+    """Write a checked state's KV into the pool: the live sequence (owned by the caller) and the
+    chunks with their spans. On any failure, every block it took is given back."""
+    meta, tensors = saved.meta, saved.tensors
+    live: Sequence | None = None
+    chunks: list[Chunk] = []
+    try:
+        if meta["live"] is not None:
+            live = engine.start(meta["live"]["token_ids"], reuse=False)
+            exact, keys, values = meta["live"]["exact"], tensors["live.keys"], tensors["live.values"]
+            engine.write_kv(live, 0, keys[:, :exact], values[:, :exact], exact=True)
+            if exact < live.num_tokens:
+                engine.write_kv(live, exact, keys[:, exact:], values[:, exact:])
+        for record in meta["chunks"]:
+            chunk = _chunk_of(record)
+            chunks.append(chunk)
+            if record.get("span") is not None:
+                chunk.span = _restore_span(engine, live, chunk, record["span"], tensors)
+    except BaseException:
+        for chunk in chunks:
+            if chunk.span is not None:
+                chunk.span.release(engine.blocks)
+        if live is not None:
+            engine.free(live)
+        raise
+    return live, chunks
 
 
-def _restore_span(cm: ContextManager, chunk: Chunk, span: dict, tensors: dict[str, torch.Tensor]) -> KVSpan:
-    engine = cm.engine
+def _chunk_of(record: dict) -> Chunk:
+    return Chunk(
+        record["chunk_id"], record["number"], Role(record["role"]), record["text"], record["token_ids"],
+        output_number=record["output_number"], had_think=record["had_think"],
+        source_ids=tuple(record["source_ids"]), is_default=record["is_default"],
+    )  # fmt: skip
+
+
+def _restore_span(
+    engine: Engine, live: Sequence | None, chunk: Chunk, span: dict, tensors: dict[str, torch.Tensor]
+) -> KVSpan:
     start, end = span["start_pos"], span["start_pos"] + span["num_tokens"]
     if span["where"] == "live":
-        assert cm.live is not None, "a span in the live sequence of a file that has none"
-        return KVSpan.of(engine.blocks, cm.live, start, end, span["exact"], span["pinned"])
+        assert live is not None, "a span in the live sequence of a file that has none"
+        return KVSpan.of(engine.blocks, live, start, end, span["exact"], span["pinned"])
     seq = engine.start(chunk.token_ids, reuse=False)
-    engine.write_kv(seq, 0, tensors[f"span.{chunk.chunk_id}.keys"], tensors[f"span.{chunk.chunk_id}.values"])
-    own = KVSpan.of(engine.blocks, seq, 0, seq.num_tokens, span["exact"], span["pinned"])
-    engine.free(seq)
+    try:
+        engine.write_kv(
+            seq, 0, tensors[f"span.{chunk.chunk_id}.keys"], tensors[f"span.{chunk.chunk_id}.values"]
+        )
+        own = KVSpan.of(engine.blocks, seq, 0, seq.num_tokens, span["exact"], span["pinned"])
+    finally:
+        engine.free(seq)
     return KVSpan(own.block_ids, own.generations, own.offset, own.num_tokens, start, own.exact, own.pinned)

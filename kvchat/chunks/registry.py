@@ -10,10 +10,11 @@ from kvchat.chunks.types import Role
 from kvchat.errors import ChunkError
 
 
-def chunk_id_of(role: Role, token_ids: list[int]) -> str:
-    """A short stable id from the role and the token ids (what the model sees)."""
+def chunk_id_of(role: Role, token_ids: list[int], salt: int = 0) -> str:
+    """A short stable id from the role and the token ids (what the model sees); `salt` tells apart
+    chunks that must stay distinct although their tokens are equal (two equal answers)."""
     h = hashlib.blake2b(digest_size=5)
-    h.update(role.value.encode())
+    h.update(role.value.encode() + (f"#{salt}".encode() if salt else b""))
     h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
     return h.hexdigest()
 
@@ -38,21 +39,32 @@ class ChunkRegistry:
     _next_number: int = 1
     _next_output: int = 1
 
-    def add(self, role: Role, text: str, token_ids: list[int], **extra) -> Chunk:
-        """Register a chunk; the same role and tokens return the chunk already there."""
-        chunk_id = chunk_id_of(role, token_ids)
+    def add(self, role: Role, text: str, token_ids: list[int], unique: bool = False, **extra) -> Chunk:
+        """Register a chunk; the same role and tokens return the chunk already there, unless `unique`
+        (a conversation turn: each is its own chunk, even when its text repeats an earlier one)."""
+        chunk_id = chunk_id_of(role, token_ids, salt=self._next_number if unique else 0)
         if chunk_id in self.chunks:
             return self.chunks[chunk_id]
+        return self._new(chunk_id, role, text, token_ids, **extra)
+
+    def add_output(self, text: str, token_ids: list[int], **extra) -> Chunk:
+        """Register an answer: always a new chunk with the next output number."""
+        self._next_output += 1
+        return self.add(
+            Role.OUTPUT, text, token_ids, unique=True, output_number=self._next_output - 1, **extra
+        )
+
+    def restore(self, chunks: list[Chunk]) -> None:
+        """Take the chunks of a saved session; numbering goes on after theirs."""
+        self.chunks = {c.chunk_id: c for c in chunks}
+        self._next_number = max((c.number for c in chunks), default=0) + 1
+        self._next_output = max((c.output_number or 0 for c in chunks), default=0) + 1
+
+    def _new(self, chunk_id: str, role: Role, text: str, token_ids: list[int], **extra) -> Chunk:
+        assert chunk_id not in self.chunks
         chunk = Chunk(chunk_id, self._next_number, role, text, list(token_ids), **extra)
         self._next_number += 1
         self.chunks[chunk_id] = chunk
-        return chunk
-
-    def add_output(self, text: str, token_ids: list[int], **extra) -> Chunk:
-        chunk = self.add(Role.OUTPUT, text, token_ids, **extra)
-        if chunk.output_number is None:
-            chunk.output_number = self._next_output
-            self._next_output += 1
         return chunk
 
     def find(self, ref: str) -> Chunk:

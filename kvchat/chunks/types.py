@@ -40,10 +40,11 @@ class ChunkInfo:
 
 @dataclass(frozen=True)
 class ChunkReport:
-    """What one inference did with one chunk of its context."""
+    """What one inference did with one chunk of its context; the generation prompt after the chunks
+    (the template's assistant header) is a last row with no chunk id and no role."""
 
-    chunk_id: str
-    role: Role
+    chunk_id: str | None
+    role: Role | None
     num_tokens: int
     num_reused: int  # KV used as is (exact prefix hit)
     num_repositioned: int  # KV re-rotated to new positions

@@ -160,7 +160,9 @@ def fidelity_table(report: FidelityReport) -> RenderableType:
 
 
 def inference_line(result: InferenceResult) -> Text:
-    finish = "cancelled — output truncated" if result.finish_reason == "cancelled" else result.finish_reason
+    finish = result.finish_reason
+    if finish == "cancelled":
+        finish = "cancelled — output truncated" if result.token_ids else "cancelled before the first token"
     parts = [
         f"tokens: {result.reused_tokens} reused · {result.repositioned_tokens} repositioned · "
         f"{result.computed_tokens} computed",
@@ -174,16 +176,18 @@ def inference_line(result: InferenceResult) -> Text:
 
 
 def needs_chunk_table(result: InferenceResult) -> bool:
-    """True when some chunk was not simply reused; the last chunk is the new turn, always computed."""
-    return result.repositioned_tokens > 0 or any(c.num_computed for c in result.chunks[:-1])
+    """True when some chunk was not simply reused; the last chunk (the new turn or query) and the
+    answer prompt after it are always computed."""
+    chunks = [c for c in result.chunks if c.role is not None]
+    return result.repositioned_tokens > 0 or any(c.num_computed for c in chunks[:-1])
 
 
 def chunk_reports_table(reports: list[ChunkReport]) -> RenderableType:
     table = Table("id", "role", "tokens", "reused", "repositioned", "computed", box=None, pad_edge=False)
     for r in reports:
         table.add_row(
-            r.chunk_id,
-            str(r.role),
+            r.chunk_id or "",
+            str(r.role) if r.role else "answer prompt",
             str(r.num_tokens),
             str(r.num_reused),
             str(r.num_repositioned),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvchat.errors import CacheFullError
@@ -115,6 +117,18 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._unreferenced[block_id] = None
+
+    @contextmanager
+    def hold(self, block_ids: list[int]) -> Iterator[None]:
+        """A temporary reference on each block for the duration of the `with`, released on any exit."""
+        taken: list[int] = []
+        try:
+            for block_id in block_ids:
+                self.acquire(block_id)
+                taken.append(block_id)
+            yield
+        finally:
+            self.release(taken)
 
     def pin(self, block_ids: list[int]) -> None:
         """A reference that marks the blocks as kept on purpose (a retained chunk)."""

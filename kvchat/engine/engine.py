@@ -7,6 +7,8 @@ its leading tokens; `compute` runs the model over the rest, in pieces of at most
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -70,6 +72,11 @@ class Engine:
         self._cache = ForwardCache(self.workspace, self.pool)
         self._seq_ids = itertools.count(1)
 
+    @property
+    def max_positions(self) -> int | None:
+        """The most positions the model was trained for, when its config says."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
     # -- sequence lifecycle ------------------------------------------------------------------------
 
     def start(self, token_ids: list[int], reuse: bool = True) -> Sequence:
@@ -83,26 +90,31 @@ class Engine:
             return seq
         match = self.blocks.match_prefix(token_ids, max_tokens=len(token_ids) - 1) if reuse else None
         shared = match.shared_block_ids if match else []
-        copy_from = match.copy_from if match and match.num_copy else None
-        for block_id in shared:
-            self.blocks.acquire(block_id)
-        if copy_from is not None:
-            self.blocks.acquire(copy_from)  # keep it from being evicted by the allocation below
-        try:
-            fresh = self.blocks.allocate(seq.num_blocks_needed - len(shared))
-        except CacheFullError:
-            self.blocks.release(shared + ([copy_from] if copy_from is not None else []))
-            raise
-        seq.block_table = shared + fresh
-        seq.num_computed = seq.num_recorded = len(shared) * self.block_size
-        if copy_from is not None:
-            assert match is not None
-            src = torch.arange(match.num_copy, device=self.device) + copy_from * self.block_size
-            self.pool.copy(src, self._slots(seq, seq.num_computed, seq.num_computed + match.num_copy))
-            self.blocks.release([copy_from])
-            seq.num_computed += match.num_copy
-        self._record(seq)
+        copy_from = [match.copy_from] if match and match.copy_from is not None and match.num_copy else []
+        with self.owning(seq):
+            for block_id in shared:
+                self.blocks.acquire(block_id)
+                seq.block_table.append(block_id)
+            with self.blocks.hold(copy_from):  # kept from being evicted by the allocation below
+                seq.block_table += self.blocks.allocate(seq.num_blocks_needed - len(shared))
+                seq.num_computed = seq.num_recorded = len(shared) * self.block_size
+                if copy_from:
+                    assert match is not None
+                    src = torch.arange(match.num_copy, device=self.device) + copy_from[0] * self.block_size
+                    dst = self._slots(seq, seq.num_computed, seq.num_computed + match.num_copy)
+                    self.pool.copy(src, dst)
+                    seq.num_computed += match.num_copy
+            self._record(seq)
         return seq
+
+    @contextmanager
+    def owning(self, seq: Sequence) -> Iterator[Sequence]:
+        """Free `seq` if the `with` body fails (an error or an interrupt), so no block is left held."""
+        try:
+            yield seq
+        except BaseException:
+            self.free(seq)
+            raise
 
     def extend(self, seq: Sequence, token_ids: list[int]) -> None:
         """Append tokens to a sequence (their KV is computed by the next `compute`)."""
