@@ -145,7 +145,7 @@ def live_chunks(cm: ContextManager) -> list[Chunk]:
         matches = [c for c in candidates if live.token_ids[pos : pos + len(c.token_ids)] == c.token_ids]
         if not matches:
             return found
-        chunk = max(matches, key=lambda c: len(c.token_ids))
+        chunk = max(matches, key=lambda c: (len(c.token_ids), c.number))  # ties: the newest
         found.append(chunk)
         pos += len(chunk.token_ids)
 

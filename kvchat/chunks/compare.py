@@ -9,15 +9,12 @@ last, because the exact KV it computes would otherwise be found, and shared, by 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from kvchat.chunks.inference import build
+from kvchat.chunks.inference import Inference
 from kvchat.chunks.registry import Chunk
 from kvchat.chunks.types import ReuseMode
-from kvchat.engine.detokenizer import StreamDetokenizer
-from kvchat.engine.generate import GenerationStep, generate
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import ChunkError
 
@@ -87,25 +84,24 @@ def answer_once(
     cm: ContextManager, chunks: list[Chunk], mode: ReuseMode, params: SamplingParams
 ) -> tuple[list[int], str, float, int, int, int]:
     """(token ids, text, ttft, reused, repositioned, computed) of one answer; its sequence is freed."""
-    t0 = time.perf_counter()
-    composed = build(cm, chunks, reserve_tokens=params.max_tokens, release_live=False, mode=mode)
-    plan_s = time.perf_counter() - t0
-    seq = composed.seq
-    prompt_len = seq.num_tokens
-    detok = StreamDetokenizer(cm.tokenizer, think_ids=cm.format.think_ids, skip_ids=cm.eos_token_ids)
-    text: list[str] = []
-    last: GenerationStep | None = None
+    run = Inference(replace(cm.setup, mode=mode), chunks, params)
     try:
-        for step in generate(cm.engine, seq, params, cm.eos_token_ids, detok):
-            if isinstance(step, GenerationStep):
-                text.append(step.text)
-                last = step
+        for _ in run.steps():
+            pass
+        result = run.result(None)
     finally:
-        cm.engine.free(seq)
-    ttft = plan_s + (last.stats.ttft_s if last else 0.0)
-    computed = prompt_len - composed.num_reused - composed.num_repositioned
-    token_ids = [t for t in seq.token_ids[prompt_len:] if t not in cm.eos_token_ids]
-    return token_ids, "".join(text).strip(), ttft, composed.num_reused, composed.num_repositioned, computed
+        run.release()
+    if result.finish_reason == "cancelled":
+        raise ChunkError(f"/compare cancelled during {mode}")
+    token_ids = [t for t in result.token_ids if t not in cm.eos_token_ids]
+    return (
+        token_ids,
+        result.text,
+        result.ttft_s,
+        result.reused_tokens,
+        result.repositioned_tokens,
+        result.computed_tokens,
+    )
 
 
 def first_difference(reference: list[int], other: list[int]) -> int | None:
