@@ -50,12 +50,12 @@ def test_attention_shares_equal_a_full_eager_forward(kind):
     cm = make_manager(make_tiny_model(kind, vocab_size=VOCAB))
     setup_context(cm)
     cm.infer_blocking(GREEDY)
-    for over_live in (True, False):  # over the live KV, then (the live sequence gone) recomputed
-        if not over_live:
-            cm.clear()
-        report = attention_map(cm, 1)
+    cm.set_query("and where do the rivers run?")
+    cm.infer_blocking(GREEDY)
+    for number, over_live in ((2, True), (1, False)):  # the last answer over its KV; an older one recomputed
+        report = attention_map(cm, number)
         assert report.over_live_kv is over_live
-        output = cm.registry.output(1)
+        output = cm.registry.output(number)
         tokens = [t for i in output.source_ids for t in cm.registry.chunks[i].token_ids] + output.token_ids
         end = len(report.token_weights)
         expected = full_eager_weights(kind, tokens[:end], end - report.num_queries)  # (L, end)
