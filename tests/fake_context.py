@@ -274,6 +274,14 @@ class FakeContextManager:
             computed_tokens=2,
         )
 
+    def resolved_settings(self) -> dict[str, str]:
+        return {
+            "model.model": self.model_id,
+            "model.dtype": "fp32",
+            "model.device": "cpu",
+            "model.threads": "1",
+        }
+
     def stats(self) -> CacheStats:
         used = sum(c.info.num_blocks for c in self._chunks.values())
         pinned, free = (1 if self._system else 0), NUM_BLOCKS - used
@@ -318,5 +326,6 @@ def make_harness(
 ) -> Harness:
     ctx = FakeContextManager(responses)
     out = io.StringIO()
-    ui = UI(color=False, json_lines=json_lines, file=out, err_file=out)
+    # Text transcripts read errors in place; a JSON stream is stdout alone (errors go to stderr too).
+    ui = UI(color=False, json_lines=json_lines, file=out, err_file=io.StringIO() if json_lines else out)
     return Harness(ctx, Shell(ctx, load_settings(None, overrides or {})), ui, out)

@@ -225,7 +225,7 @@ def test_heat_of_a_chunk_sums_to_its_attention_share_and_errors_are_one_line():
     cm = make_manager(make_tiny_model("qwen3", vocab_size=VOCAB))
     run = make_shell(cm, json_lines=True)
     out = io.StringIO()
-    ui = UI(color=False, json_lines=True, file=out, err_file=out)
+    ui = UI(color=False, json_lines=True, file=out, err_file=io.StringIO())  # JSON alone on stdout
     shell = Shell(cm, load_settings(None, {}))
     for line in ("/attention", "/compare", "/compare exact sideways"):
         assert run_line(shell, ui, line) is Status.FAILED

@@ -2,6 +2,11 @@
 
 import io
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -71,7 +76,8 @@ def test_piped_stdin_is_a_script_and_exit_status_zero():
 def test_any_failed_command_makes_exit_status_one_and_the_rest_runs():
     result, _ = invoke([], stdin="/nope\nhello\n")
     assert result.exit_code == 1
-    assert "error: line 1: unknown command /nope" in result.stdout and "Hi there." in result.stdout
+    assert "error: line 1: unknown command /nope" in result.stderr and "Hi there." in result.stdout
+    assert "error" not in result.stdout  # answers on stdout, errors on stderr
 
 
 def test_flags_become_setting_overrides():
@@ -129,6 +135,9 @@ def test_run_flags_win_over_the_same_flags_before_run(tmp_path):
 def test_a_missing_script_file_cannot_start(tmp_path):
     result, factory = invoke(["run", str(tmp_path / "missing.kv")])
     assert result.exit_code == 2 and factory.settings is None
+    assert "missing.kv: no such file" in result.stderr
+    result, factory = invoke(["run", str(tmp_path)])
+    assert result.exit_code == 2 and "is not a file" in result.stderr
 
 
 def test_a_model_that_cannot_load_is_one_red_line_and_exit_two():
@@ -173,10 +182,12 @@ def test_the_user_config_file_is_read_and_flags_beat_it(tmp_path):
 
 
 def test_no_color_means_no_escape_codes_even_on_a_forced_terminal():
-    colored, _ = invoke([], stdin="/nope\n", env={"FORCE_COLOR": "1"})
-    assert ESC in colored.stdout
-    plain, _ = invoke(["--no-color"], stdin="/nope\n", env={"FORCE_COLOR": "1"})
-    assert ESC not in plain.stdout and "error: line 1: unknown command /nope" in plain.stdout
+    colored, _ = invoke([], stdin="/nope\n/stats\n", env={"FORCE_COLOR": "1"})
+    assert ESC in colored.stderr
+    plain, _ = invoke(["--no-color"], stdin="/nope\n/stats\n", env={"FORCE_COLOR": "1"})
+    # No style codes (SGR); a progress bar on a forced terminal still moves its cursor.
+    assert ESC not in plain.stdout and not re.search(r"\x1b\[[0-9;]*m", plain.stderr)
+    assert "error: line 1: unknown command /nope" in plain.stderr
 
 
 def test_internal_errors_show_a_traceback_only_with_debug():
@@ -206,3 +217,71 @@ def test_progress_callback_drives_a_bar_on_a_terminal(monkeypatch):
         progress("converting", 4, 4)
         progress("loading", 1, None)
     assert "converting" in err.getvalue()
+
+
+def test_json_errors_go_to_the_json_stream_and_to_stderr():
+    result, _ = invoke(["--json"], stdin="/nope\nhello\n")
+    assert result.exit_code == 1
+    objects = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(o["cmd"], o["ok"]) for o in objects] == [("nope", False), ("chat", True)]
+    assert "unknown command /nope" in result.stderr
+
+
+def test_run_dash_reads_stdin():
+    result, _ = invoke(["run", "-"], stdin="hello\n")
+    assert result.exit_code == 0, result.output
+    assert "Hi there." in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--top-p", "1.5"], "kvchat: --top-p 1.5 must be in (0, 1]"),
+        (["--temperature", "nan"], "kvchat: --temperature nan must be a finite number"),
+        (["--min-p", "1"], "kvchat: --min-p 1.0 must be in [0, 1)"),
+        (["--dtype", "int8"], "kvchat: --dtype int8 must be one of auto, bf16, fp32, fp16"),
+        (["--model", " "], "kvchat: --model   must not be empty"),
+    ],
+)
+def test_bad_flags_are_named(args, message):
+    result, factory = invoke(args, stdin="hello\n")
+    assert result.exit_code == 2 and factory.settings is None
+    assert result.stderr.startswith(message)
+
+
+def test_dtype_takes_the_torch_names():
+    result, factory = invoke(["--dtype", "bfloat16"], stdin="/stats\n")
+    assert result.exit_code == 0
+    assert factory.settings.model.dtype == "bf16"
+
+
+def test_help_shows_switches_as_switches():
+    result, _ = invoke(["--help"], env={"COLUMNS": "160"})
+    assert "<bool>" not in result.stdout
+    assert "--json" in result.stdout and "--min-p" in result.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"]])
+def test_help_imports_no_torch(args):
+    code = (
+        "import sys\n"
+        "from kvchat.cli.app import main\n"
+        f"try: main({args!r})\n"
+        "except SystemExit: pass\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=_env())
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _env():
+    root = str(Path(__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
+def test_a_switch_undoes_what_the_config_file_turned_on(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[ui]\njson = true\n")
+    result, factory = invoke(["--config", str(config), "--no-json"], stdin="/stats\n")
+    assert result.exit_code == 0 and factory.settings.ui.json is False
+    assert "hit rate" in result.stdout

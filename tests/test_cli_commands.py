@@ -226,3 +226,32 @@ def test_model_text_is_never_read_as_markup():
     h = make_harness(["[bold]not bold[/bold] and [red]"])
     h.run("hi")
     assert h.take().startswith("[bold]not bold[/bold] and [red]\n")
+
+
+def test_set_lists_toml_values_and_what_auto_resolved_to():
+    h = make_harness()
+    h.run("/set stop ###")
+    h.take()
+    h.run("/set")
+    lines = {line.split()[0]: " ".join(line.split()[1:]) for line in h.take().splitlines() if line.strip()}
+    assert lines["model.dtype"] == '"auto" (fp32)'
+    assert lines["model.device"] == '"auto" (cpu)'
+    assert lines["model.threads"] == "0 (1)"
+    assert lines["sampling.stop"] == '["###"]'
+    assert lines["ui.show_thinking"] == "true" and lines["sampling.seed"] == "none"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("/set min_p 1", "sampling.min_p = 1 must be in [0, 1)"),
+        ("/set temperature nan", "sampling.temperature = nan must be a finite number"),
+        ("/set top_p inf", "sampling.top_p = inf must be a finite number"),
+    ],
+)
+def test_set_refuses_what_the_sampler_would(line, message):
+    h = make_harness()
+    before = h.shell.settings
+    assert h.run(line) is Status.FAILED
+    assert message in h.take()
+    assert h.shell.settings == before

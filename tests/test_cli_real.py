@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,6 +85,7 @@ def test_script_with_json_on_a_local_model_folder(tiny_folder, tmp_path):
     assert [r["cmd"] for r in out][:4] == ["system", "context", "query", "infer"]
     assert all({"cmd", "ok", "error"} <= r.keys() for r in out)
     failed = {r["cmd"]: r["error"] for r in out if not r["ok"]}
+    assert all(message in proc.stderr.decode() for message in failed.values())  # on stderr too
     assert set(failed) == {"use-output", "bogus", "query", "set"}
     assert "no output 9" in failed["use-output"] and "unknown command" in failed["bogus"]
     first, second, moved = (r for r in out if r["cmd"] == "infer")
@@ -97,9 +99,14 @@ def test_script_with_json_on_a_local_model_folder(tiny_folder, tmp_path):
 
 
 def test_clean_script_exits_0_and_bad_model_exits_2(tiny_folder, tmp_path):
-    ok = kvchat(["--model", str(tiny_folder), "--max-tokens", "3"], b"/query hi\n/infer\n/stats\n", tmp_path)
+    ok = kvchat(
+        ["--model", str(tiny_folder), "--max-tokens", "3"], b"/query hi\n/infer\n/stats\n/set\n", tmp_path
+    )
     assert ok.returncode == 0, ok.stderr.decode()
     assert b"computed" in ok.stdout and b"\x1b[" not in ok.stdout  # plain output when not a terminal
+    # `/set` shows what auto resolved to in this process.
+    assert re.search(r'model\.dtype +"auto" \((bf16|fp32)\)', ok.stdout.decode())
+    assert re.search(r"model\.threads +0 \(\d+\)", ok.stdout.decode())
     bad = kvchat(["--model", str(tmp_path / "nowhere")], b"/stats\n", tmp_path)
     assert bad.returncode == 2 and bad.stdout == b""
     assert b"Traceback" not in bad.stderr and len(bad.stderr.decode().strip().splitlines()) == 1

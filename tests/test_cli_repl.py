@@ -92,6 +92,11 @@ def test_completion_of_modes_settings_help_topics_and_paths(tmp_path):
     h = make_harness()
     assert [text for text, _ in completions(h, "/mode re")] == ["reposition", "repair"]
     assert "sampling.temperature" in [text for text, _ in completions(h, "/set sampling.t")]
+    assert dict(completions(h, "/set sampling.t"))["sampling.top_p"].startswith("1.0 · Keep the most likely")
+    assert [text for text, _ in completions(h, "/set dtype b")] == ["bf16"]
+    assert [text for text, _ in completions(h, "/set reuse.mode ")] == ["exact", "reposition", "repair"]
+    assert [text for text, _ in completions(h, "/set ui.color f")] == ["false"]
+    assert completions(h, "/set temperature ") == [] and completions(h, "/set nope ") == []
     assert ("verify", h.shell.commands.get("verify").summary) in completions(h, "/help ve")
     (tmp_path / "notes.txt").write_text("x")
     assert [text for text, _ in completions(h, f"/context @{tmp_path}/no")] == ["tes.txt"]

@@ -1,20 +1,24 @@
 import dataclasses
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from kvchat.config import (
+    CONFIGS,
     DEFAULT_FILE,
     TABLES,
     ConfigError,
     Settings,
     all_keys,
+    format_value,
     load_settings,
     replace_setting,
     resolve_key,
     settings_as_dict,
 )
+from kvchat.settings_schema import all_settings
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +34,29 @@ def write(path: Path, text: str) -> Path:
 
 def test_defaults_equal_the_dataclass_defaults() -> None:
     assert load_settings() == Settings()
+
+
+def test_default_toml_holds_every_declared_default() -> None:
+    # Keys whose default is unset (seed) are commented out; every other key has the declared default.
+    toml = tomllib.loads(DEFAULT_FILE.read_text())
+    for key, info in all_settings().items():
+        table, name = key.split(".")
+        if info.default is None:
+            assert name not in toml[table], key
+        else:
+            assert normalize_toml(toml[table][name]) == info.default, key
+
+
+def normalize_toml(value: object) -> object:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def test_top_level_configs_equal_the_packaged_ones() -> None:
+    top = Path(__file__).resolve().parent.parent / "configs"
+    names = sorted(p.name for p in top.glob("*.toml"))
+    assert names == ["default.toml", "models.toml"]
+    for name in names:
+        assert (top / name).read_text() == (CONFIGS / name).read_text(), name
 
 
 def test_default_toml_lists_every_field() -> None:
@@ -80,12 +107,14 @@ def test_overrides_beat_the_file_and_none_is_ignored(tmp_path: Path) -> None:
     ("text", "names"),
     [
         ("[sampling]\ntemprature = 0.5\n", ["temprature", "[sampling]"]),
+        ("[sampling]\ntemperature = nan\n", ["sampling.temperature", "finite"]),
+        ("[sampling]\nmin_p = 1.0\n", ["sampling.min_p", "[0, 1)"]),
         ("[smapling]\ntemperature = 0.5\n", ["[smapling]"]),
-        ('[sampling]\ntemperature = "hot"\n', ["temperature", "[sampling]", "a number"]),
+        ('[sampling]\ntemperature = "hot"\n', ["sampling.temperature", "a number"]),
         ("[model]\nthreads = true\n", ["threads", "an integer"]),
         ("[ui]\ncolor = 1\n", ["color", "true or false"]),
         ("[sampling]\ntop_p = 1.5\n", ["top_p", "(0, 1]"]),
-        ("[cache]\nblock_size = 2048\n", ["block_size", "1..1024"]),
+        ("[cache]\nblock_size = 2048\n", ["cache.block_size", "[1, 1024]"]),
         ('[reuse]\nmode = "magic"\n', ["mode", "exact"]),
         ('[model]\ndevice = "tpu"\n', ["device"]),
         ("[sampling\n", []),
@@ -141,7 +170,7 @@ def test_replace_setting_parses_each_type() -> None:
         ("color", "maybe", "true or false"),
         ("top_p", "0", "(0, 1]"),
         ("dtype", "int8", "auto"),
-        ("seed", "-3", ">= 0"),
+        ("seed", "-3", "in [0, 18446744073709551615]"),
         ("stop", "[1, 2]", "list of strings"),
     ],
 )
@@ -157,3 +186,35 @@ def test_every_bare_key_resolves_and_dict_lists_all_keys() -> None:
     listing = settings_as_dict(Settings())
     assert [f"{table}.{name}" for table, entries in listing.items() for name in entries] == all_keys()
     assert listing["sampling"]["temperature"] == 0.0
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e999"])
+def test_non_finite_floats_are_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match="finite"):
+        replace_setting(Settings(), "temperature", text)
+    with pytest.raises(ConfigError, match="--temperature"):
+        load_settings(flags={"--temperature": float(text)})
+
+
+def test_dtype_takes_the_torch_names() -> None:
+    for name, short in [("bfloat16", "bf16"), ("float32", "fp32"), ("float16", "fp16"), ("BF16", "bf16")]:
+        assert replace_setting(Settings(), "dtype", name).model.dtype == short
+        assert load_settings(flags={"--dtype": name}).model.dtype == short
+
+
+def test_flag_errors_name_the_flag_and_set_errors_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(flags={"--top-p": 1.5})
+    assert str(info.value).startswith("--top-p 1.5 must be in (0, 1]")
+    with pytest.raises(ConfigError) as info:
+        replace_setting(Settings(), "top_p", "1.5")
+    assert str(info.value).startswith("sampling.top_p = 1.5 must be in (0, 1]")
+    assert load_settings(flags={"--top-p": 0.5, "--seed": None}).sampling.top_p == 0.5
+
+
+def test_format_value_is_toml() -> None:
+    for value in (True, "bf16", ("a", 'q"uote'), 0.15, 16):
+        assert tomllib.loads(f"v = {format_value(value)}")["v"] == (
+            list(value) if isinstance(value, tuple) else value
+        )
+    assert format_value(None) == "none"

@@ -246,3 +246,17 @@ def test_long_prompt_reports_prefill_progress_and_cancels_between_pieces(model):
     cm.engine.blocks.check_invariants()
     again = cm.infer_blocking(GREEDY)
     assert again.reused_tokens >= 16  # what the cancelled prefill computed stays cached
+
+
+def test_a_tiny_temperature_answers_greedily_and_resolved_settings_name_the_model(model):
+    # Once an IndexError (id == vocabulary size) that left blocks held.
+    cm = make_manager(model)
+    cm.set_query(text(3))
+    greedy = cm.infer_blocking(GREEDY)
+    cm.reset()
+    cm.set_query(text(3))
+    tiny = cm.infer_blocking(SamplingParams(max_tokens=8, temperature=1e-40, seed=0))
+    assert tiny.token_ids == greedy.token_ids
+    resolved = cm.resolved_settings()
+    assert resolved["model.model"] == "tiny" and resolved["model.dtype"] == "fp32"
+    assert resolved["model.device"] == "cpu" and int(resolved["model.threads"]) >= 1

@@ -1,3 +1,4 @@
+import os
 import shutil
 import socket
 from pathlib import Path
@@ -9,7 +10,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from kvchat.config import ModelSettings
 from kvchat.errors import ConfigError, ModelLoadError
 from kvchat.models import device as device_module
-from kvchat.models import packaged
+from kvchat.models import gguf, packaged
 from kvchat.models.loader import LoadedModel, apply_threads, choose_dtype, load_model, resolve_model
 from kvchat.models.sources import ModelSource
 
@@ -151,8 +152,6 @@ def test_choose_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_dtype("fp16", CPU) == torch.float16  # explicit only
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: True)
     assert choose_dtype("auto", CPU) == torch.bfloat16
-    assert choose_dtype("auto", CPU, stored=torch.bfloat16) == torch.bfloat16
-    assert choose_dtype("auto", CPU, stored=torch.float32) == torch.float32  # fp32 checkpoints stay fp32
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
     assert choose_dtype("auto", CPU) == torch.float32
     with pytest.raises(ConfigError, match="int8"):
@@ -186,11 +185,11 @@ def test_conversion_is_atomic_and_runs_once(monkeypatch: pytest.MonkeyPatch, tmp
 
     def fake_convert(gguf_path: Path, out_dir: Path, progress: object = None) -> None:
         conversions.append(out_dir)
-        for name in packaged._REQUIRED_FILES:
+        for name in gguf.REQUIRED_FILES:
             (out_dir / name).write_text("x")
 
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(packaged, "convert_gguf", fake_convert)
+    monkeypatch.setattr(gguf, "convert_gguf", fake_convert)
     target = packaged.converted_dir()
     target.mkdir(parents=True)
     (target / "config.json").write_text("half-written by a crashed converter")
@@ -200,3 +199,34 @@ def test_conversion_is_atomic_and_runs_once(monkeypatch: pytest.MonkeyPatch, tmp
     assert conversions[0] != target
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # staging folder removed
     assert packaged.is_converted(target)
+
+
+@pytest.mark.slow
+def test_a_users_gguf_converts_once_with_progress_then_loads_from_the_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    user_file = tmp_path / "mine.gguf"
+    shutil.copy(packaged.packaged_gguf(), user_file)
+    calls: list[tuple[str, float, float | None]] = []
+    settings = ModelSettings(model=str(user_file), dtype="fp32", device="cpu", threads=1)
+    first = load_model(settings, progress=lambda d, done, total: calls.append((d, done, total)))
+    tensors = [(done, total) for d, done, total in calls if d.startswith("converting mine.gguf")]
+    totals = {total for _, total in tensors if total is not None}
+    assert len(totals) == 1 and totals.pop() > 100  # one report per tensor, out of ~270
+    assert [done for done, _ in tensors if done] == sorted(done for done, _ in tensors if done)
+    assert tensors[-1][0] == tensors[-1][1]
+    folder = gguf.converted_gguf_dir(user_file)
+    assert gguf.is_converted(folder) and folder.parent == tmp_path / "cache" / "models"
+
+    def no_conversion(*args: object) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(gguf, "convert_gguf", no_conversion)
+    again = load_model(settings)
+    assert again.model_id == first.model_id == str(user_file.resolve())
+    assert again.fingerprint == first.fingerprint and 2 in again.eos_token_ids
+    for name, tensor in first.model.state_dict().items():
+        assert torch.equal(tensor, again.model.state_dict()[name]), name
+    os.utime(user_file, ns=(0, 0))  # a changed file is another conversion
+    assert gguf.converted_gguf_dir(user_file) != folder

@@ -1,7 +1,10 @@
+import dataclasses
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -259,3 +262,62 @@ def test_no_vocabulary_sort_without_top_p(monkeypatch, params):
     monkeypatch.setattr(torch.Tensor, "sort", no_sort)
     monkeypatch.setattr(torch.Tensor, "argsort", no_sort)
     make_sampler(params).sample(torch.randn(151936))
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324, 1e-7, 1e300])
+@pytest.mark.parametrize("penalty", [1.0, 1e-300, 1e300])
+def test_extreme_values_give_a_token_in_the_vocabulary(temperature, penalty):
+    logits = torch.randn(1000) * 10  # (V,)
+    seen = torch.arange(0, 1000, 3)  # (T,)
+    params = SamplingParams(
+        temperature=temperature, repetition_penalty=penalty, top_p=0.9, min_p=0.05, seed=0
+    )
+    sampler = make_sampler(params)
+    for _ in range(20):
+        assert 0 <= sampler.sample(logits, seen) < logits.numel()
+
+
+def test_tiny_temperature_is_greedy():
+    logits = torch.randn(49152)  # (V,)
+    sampler = make_sampler(SamplingParams(temperature=1e-40, seed=1))
+    assert {sampler.sample(logits) for _ in range(10)} == {int(logits.argmax())}
+
+
+@pytest.mark.parametrize(
+    "bad", [{"temperature": math.inf}, {"temperature": math.nan}, {"repetition_penalty": math.inf}]
+)
+def test_make_sampler_rejects_non_finite(bad):
+    with pytest.raises(ValueError, match="finite"):
+        make_sampler(SamplingParams(**bad))
+
+
+def test_what_the_config_accepts_the_sampler_accepts():
+    # Every edge each range allows, set through the same parsing as `/set`, builds a sampler.
+    from kvchat.config import Settings, replace_setting
+
+    for key, text in [("min_p", "0.999"), ("top_p", "1e-9"), ("temperature", "1e-40"), ("top_k", "0")]:
+        make_sampler(replace_setting(Settings(), key, text).sampling)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["temperature", "top_p", "min_p", "repetition_penalty", "top_k", "max_tokens", "seed"]),
+    st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5)),
+)
+def test_set_accepts_exactly_what_the_sampler_accepts(name, number):
+    from kvchat.config import Settings, replace_setting
+    from kvchat.errors import ConfigError
+
+    if name in ("top_k", "max_tokens", "seed"):
+        number = int(number) if math.isfinite(number) else 0
+    try:
+        params = replace_setting(Settings(), name, repr(number)).sampling
+        accepted_by_set = True
+    except ConfigError:
+        params, accepted_by_set = dataclasses.replace(SamplingParams(), **{name: number}), False
+    try:
+        make_sampler(params)
+        accepted_by_sampler = True
+    except ValueError:
+        accepted_by_sampler = False
+    assert accepted_by_set == accepted_by_sampler, (name, number)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +18,7 @@ from kvchat.chunks.blockmap import live_chunks
 from kvchat.chunks.compose import chunk_ranges
 from kvchat.chunks.registry import Chunk
 from kvchat.chunks.types import Role
+from kvchat.chunks.view_records import AttentionReport, ChunkAttention
 from kvchat.errors import ChunkError
 
 if TYPE_CHECKING:
@@ -28,34 +28,6 @@ if TYPE_CHECKING:
 SINK_TOKENS = 4
 QUERY_PIECE = 128  # answer tokens per forward: bounds the (layers, heads, q, k) weights held at once
 LAYER_GROUPS = ("early", "middle", "late")
-
-
-@dataclass(frozen=True)
-class ChunkAttention:
-    chunk_id: str | None  # None for the sink tokens
-    role: str  # a chunk role, "sink", or "answer" (the answer's own tokens and its turn's opening)
-    number: int | None
-    num_tokens: int
-    attention_share: float  # averaged over layers, heads and generated tokens
-    by_layer_group: dict[str, float]
-
-
-@dataclass(frozen=True)
-class AttentionReport:
-    output_number: int
-    num_queries: int  # the positions whose next token the answer is made of
-    num_layers: int
-    over_live_kv: bool  # read over the KV the inference used (else over exact KV of its context)
-    chunks: list[ChunkAttention]
-    token_weights: list[float] = field(default_factory=list)  # mean share of every position
-    positions: dict[str, tuple[int, int]] = field(default_factory=dict)  # chunk id -> [start, end)
-
-    def heat(self, chunk_id: str) -> list[float] | None:
-        """The attention share of each token of a chunk of this context; None if not in it."""
-        if chunk_id not in self.positions:
-            return None
-        start, end = self.positions[chunk_id]
-        return self.token_weights[start:end]
 
 
 def layer_groups(num_layers: int) -> dict[str, range]:

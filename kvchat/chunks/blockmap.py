@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvchat.chunks.compose import chunk_ranges
 from kvchat.chunks.registry import Chunk
 from kvchat.chunks.types import Role
 from kvchat.engine.block_manager import BlockManager
@@ -94,9 +93,11 @@ def block_map(
     owners: dict[int, list[str]] = {}
     moved: set[int] = set()
     if live is not None and live.block_table:
-        for chunk, start, end in chunk_ranges(live_chunks):
-            for block_id in live.blocks_covering(start, end):
+        start = 0
+        for chunk in live_chunks:
+            for block_id in live.blocks_covering(start, start + len(chunk.token_ids)):
                 owners.setdefault(block_id, []).append(chunk.chunk_id)
+            start += len(chunk.token_ids)
         moved.update(live.blocks_covering(live.exact_limit, live.num_computed))
     for chunk in chunks:
         span = chunk.span

@@ -2,48 +2,25 @@
 
 Every mode decodes greedily (the argmax of the model's logits: no temperature, no repetition penalty),
 whatever the sampling settings: with the sampler out, a difference between two answers comes from the
-KV alone. Nothing is kept: each mode's sequence is freed
-when its answer is done, no output is retained, the live conversation is left as it was. Exact runs
-last, because the exact KV it computes would otherwise be found, and shared, by the modes after it.
+KV alone. Nothing is kept: each mode's sequence is freed when its answer is done, no output is
+retained, the live conversation is left as it was. Exact runs last, because the exact KV it computes
+would otherwise be found, and shared, by the modes after it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvchat.chunks.inference import Inference
 from kvchat.chunks.registry import Chunk
 from kvchat.chunks.types import ReuseMode
+from kvchat.chunks.view_records import Comparison, ModeAnswer
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import ChunkError
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
-
-DEFAULT_MODES = (ReuseMode.EXACT, ReuseMode.REPOSITION, ReuseMode.REPAIR)
-
-
-@dataclass(frozen=True)
-class ModeAnswer:
-    """One mode's greedy answer and what it cost."""
-
-    mode: ReuseMode
-    output: str
-    token_ids: list[int]
-    ttft_s: float
-    reused_tokens: int
-    repositioned_tokens: int
-    computed_tokens: int
-    first_difference: int | None  # first token index differing from the reference; None: identical
-    first_difference_char: int | None  # where that token's text starts in `output`
-    agreement: float  # share of token positions equal to the reference's
-
-
-@dataclass(frozen=True)
-class Comparison:
-    reference: ReuseMode  # exact when compared, else the first mode named
-    results: list[ModeAnswer]
 
 
 def compare_modes(cm: ContextManager, modes: list[ReuseMode], params: SamplingParams) -> Comparison:

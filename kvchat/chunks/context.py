@@ -29,6 +29,7 @@ from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
 from kvchat.interrupts import interrupts_ignored
+from kvchat.models.device import describe_runtime
 
 InferenceStream = Generator[PrefillProgress | StepEvent | InferenceResult, None, None]
 
@@ -293,6 +294,10 @@ class ContextManager:
             had_think=chunk.had_think,
             source=" ".join(chunk.source_ids) or None,
         )
+
+    def resolved_settings(self) -> dict[str, str]:
+        """What the model settings resolved to: `{"model.dtype": "bf16", ...}` (`auto` made concrete)."""
+        return describe_runtime(self.model_id, self.engine.dtype, self.engine.device)
 
     def stats(self) -> CacheStats:
         blocks = self.engine.blocks

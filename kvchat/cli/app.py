@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from kvchat import __version__
 from kvchat.cli.commands import Shell
@@ -22,6 +23,7 @@ from kvchat.cli.script import run_script
 from kvchat.cli.ui import UI
 from kvchat.config import load_settings
 from kvchat.errors import KvchatError
+from kvchat.settings_schema import SettingInfo, all_settings
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
@@ -35,39 +37,31 @@ EXIT_OK, EXIT_FAILED, EXIT_CANNOT_START = 0, 1, 2
 
 @dataclass(frozen=True)
 class Flag:
-    """One option both `kvchat` and `kvchat run` take; `key` is the setting (`table.key`) it overrides."""
+    """One option both `kvchat` and `kvchat run` take; `setting` is the setting's flag when it sets one."""
 
-    name: str
-    type: type
+    name: str  # the parameter name typer passes it as
+    type: Any
     help: str
-    key: str | None = None
-    decls: tuple[str, ...] = ()  # option names when not just --name
+    decls: tuple[str, ...]
+    setting: str | None = None
+
+
+def _setting_flag(info: SettingInfo) -> Flag:
+    flag = info.spec.flag
+    assert flag is not None
+    help = info.spec.help
+    extra = [str(info.spec.range)] if info.spec.range else []
+    extra += [info.spec.note] if info.spec.note else []
+    if extra:
+        help = f"{help.removesuffix('.')} ({'; '.join(extra)})."
+    # A switch has its negative too, to undo what a config file turned on.
+    decls = (f"{flag}/--no-{flag[2:]}",) if info.value_type is bool else (flag,)
+    return Flag(flag[2:].replace("-", "_"), info.value_type, help, decls, flag)
 
 
 FLAGS = (
-    Flag("model", str, "Model: an alias, a hub id (org/name), a local folder or a GGUF file.", "model.model"),
-    Flag("dtype", str, "Weights dtype: auto, bf16, fp32 or fp16.", "model.dtype"),
-    Flag("device", str, "auto, cpu, cuda or cuda:N.", "model.device"),
-    Flag("threads", int, "CPU threads for torch (0: automatic).", "model.threads"),
-    Flag("kv_memory", int, "Memory for the paged KV cache, in MiB.", "cache.kv_memory_mb"),
-    Flag("block_size", int, "Tokens per KV block.", "cache.block_size"),
-    Flag("temperature", float, "Sampling temperature (0: greedy).", "sampling.temperature"),
-    Flag("top_k", int, "Top-k sampling (0: off).", "sampling.top_k"),
-    Flag("top_p", float, "Top-p sampling (1.0: off).", "sampling.top_p"),
-    Flag("repetition_penalty", float, "Repetition penalty (1.0: off).", "sampling.repetition_penalty"),
-    Flag("max_tokens", int, "Most tokens one answer may have.", "sampling.max_tokens"),
-    Flag("seed", int, "Random seed for sampling.", "sampling.seed"),
-    Flag("reuse", str, "How cached chunks are reused: exact, reposition or repair.", "reuse.mode"),
-    Flag("config", Path, "A TOML settings file instead of ~/.config/kvchat/config.toml."),
-    Flag("json", bool, "Print one JSON object per command.", "ui.json"),
-    Flag(
-        "color",
-        bool,
-        "Colors and styles; --no-color prints no escape codes.",
-        "ui.color",
-        ("--color/--no-color",),
-    ),
-    Flag("debug", bool, "Show tracebacks.", "ui.debug"),
+    *(_setting_flag(info) for info in all_settings().values() if info.spec.flag),
+    Flag("config", Path, "A TOML settings file instead of ~/.config/kvchat/config.toml.", ("--config",)),
 )
 
 
@@ -90,20 +84,33 @@ def with_flags(func: Callable[..., int | None]) -> Callable[..., None]:
 
 def _flag_parameter(flag: Flag) -> inspect.Parameter:
     # Every flag defaults to None, "not given", so only the flags a user typed override the settings.
-    decls = flag.decls or ("--" + flag.name.replace("_", "-"),)
-    option = typer.Option(*decls, help=flag.help, show_default=False)
+    # A boolean is a switch: an empty metavar keeps typer from showing it as taking a value.
+    metavar = "" if flag.type is bool else None
+    option = typer.Option(*flag.decls, help=flag.help, show_default=False, metavar=metavar)
     annotation = Annotated[flag.type | None, option]  # type: ignore[name-defined]  # built at run time
     return inspect.Parameter(flag.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 
-def overrides(flags: dict[str, Any]) -> dict[str, dict[str, object]]:
-    """The flags given, as load_settings' override layer: `{"sampling": {"temperature": 0.7}}`."""
-    layer: dict[str, dict[str, object]] = {}
-    for flag in FLAGS:
-        if flag.key and flags.get(flag.name) is not None:
-            table, _, name = flag.key.partition(".")
-            layer.setdefault(table, {})[name] = flags[flag.name]
-    return layer
+def setting_flags(flags: dict[str, Any]) -> dict[str, object]:
+    """The flags that set a setting, as load_settings takes them: `{"--top-p": 0.9}`."""
+    return {flag.setting: flags.get(flag.name) for flag in FLAGS if flag.setting}
+
+
+# Both show --help as the switch it is (typer lists its type, `<bool>`, as if it took a value).
+class _Group(TyperGroup):
+    def get_help_option(self, ctx: Any) -> Any:
+        return _as_switch(super().get_help_option(ctx))
+
+
+class _Command(TyperCommand):
+    def get_help_option(self, ctx: Any) -> Any:
+        return _as_switch(super().get_help_option(ctx))
+
+
+def _as_switch(option: Any) -> Any:
+    if option is not None:
+        option.metavar = ""
+    return option
 
 
 def make_app(open_session: SessionFactory | None = None) -> typer.Typer:
@@ -112,6 +119,7 @@ def make_app(open_session: SessionFactory | None = None) -> typer.Typer:
         add_completion=False,
         no_args_is_help=False,
         pretty_exceptions_enable=False,
+        cls=_Group,
         help="Chat with a local LLM and see and steer what it keeps in its KV cache.",
     )
     factory = open_session or _open_real_session
@@ -121,7 +129,7 @@ def make_app(open_session: SessionFactory | None = None) -> typer.Typer:
     def start(
         ctx: typer.Context,
         version: Annotated[
-            bool, typer.Option("--version", help="Print the version and exit.", is_eager=True)
+            bool, typer.Option("--version", help="Print the version and exit.", is_eager=True, metavar="")
         ] = False,
         flags: dict[str, Any] | None = None,
     ) -> int | None:
@@ -134,17 +142,15 @@ def make_app(open_session: SessionFactory | None = None) -> typer.Typer:
             return None
         return session_main(flags or {}, None, factory)
 
-    @app.command("run")
+    @app.command("run", cls=_Command)
     @with_flags
     def run(
         ctx: typer.Context,
         file: Annotated[
             Path,
             typer.Argument(
-                help="A file of commands, one per line; # comments, <<< ... >>> blocks.",
+                help="A file of commands, one per line; # comments, <<< ... >>> blocks. - reads stdin.",
                 metavar="FILE",
-                exists=True,
-                dir_okay=False,
             ),
         ],
         flags: dict[str, Any] | None = None,
@@ -164,8 +170,11 @@ def session_main(flags: dict[str, Any], script: Path | None, open_session: Sessi
         json_lines=bool(flags.get("json")),
         debug=bool(flags.get("debug")),
     )
+    if script is not None and str(script) != "-" and not script.is_file():
+        ui.fatal(f"{script}: no such file" if not script.exists() else f"{script} is not a file")
+        return EXIT_CANNOT_START
     try:
-        settings = load_settings(flags.get("config"), overrides(flags))
+        settings = load_settings(flags.get("config"), flags=setting_flags(flags))
         ui = UI(color=settings.ui.color, json_lines=settings.ui.json, debug=settings.ui.debug)
         with ui.progress() as progress:
             shell = Shell(open_session(settings, progress), settings)
@@ -186,10 +195,10 @@ def session_main(flags: dict[str, Any], script: Path | None, open_session: Sessi
 
 
 def _run(shell: Shell, ui: UI, script: Path | None) -> int:
-    if script is not None:
+    if script is not None and str(script) != "-":
         with script.open("rb") as stream:
             return run_script(shell, ui, stream)
-    if _stdin_is_terminal():
+    if script is None and _stdin_is_terminal():
         history = _history_file(shell.settings)
         return run_interactive(shell, ui, make_prompt_session(shell, history, color=shell.settings.ui.color))
     return run_script(shell, ui, _stdin_bytes())

@@ -9,9 +9,8 @@ from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderR
 from rich.table import Table
 from rich.text import Text
 
-from kvchat.chunks.attention import AttentionReport
 from kvchat.chunks.blockmap import CACHED, PINNED, BlockCell, BlockMap
-from kvchat.chunks.compare import Comparison, ModeAnswer
+from kvchat.chunks.view_records import AttentionReport, Comparison, ModeAnswer
 from kvchat.cli.results import ChunkHeat
 
 _BASE = ("blue", "green", "magenta", "cyan", "yellow", "red")

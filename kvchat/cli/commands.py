@@ -9,10 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvchat.chunks.attention import AttentionReport, attention_map
 from kvchat.chunks.blockmap import BlockMap, cache_map
-from kvchat.chunks.compare import Comparison
 from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, ReuseMode
+from kvchat.chunks.view_records import AttentionReport, Comparison
 from kvchat.cli import cache_commands
 from kvchat.cli.registry import ArgKind, Command, CommandRegistry, command, split_command
 from kvchat.cli.results import (
@@ -26,16 +25,13 @@ from kvchat.cli.results import (
     Quit,
     SettingsView,
 )
-from kvchat.cli.settings import setting_key, setting_values
+from kvchat.cli.settings import setting_info, setting_values, shown_value
 from kvchat.config import replace_setting
 from kvchat.errors import CommandError
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
     from kvchat.config import Settings
-
-# Settings the session reads as it goes; the others are read once, when kvchat starts.
-LIVE_SETTINGS = ("sampling.", "reuse.mode", "reuse.verify_tokens", "ui.show_thinking")
 
 
 class Shell:
@@ -146,7 +142,7 @@ class Shell:
         arg=ArgKind.OUTPUT,
     )
     def attention(self, arg: str) -> AttentionReport:
-        return attention_map(self.ctx, _count(arg) if arg else None)
+        return cache_commands.attention(self.ctx, _count(arg) if arg else None)
 
     @command(
         "compare",
@@ -160,18 +156,19 @@ class Shell:
     @command("set", "Change a setting, or list them all", usage="[KEY VALUE]", arg=ArgKind.SETTING)
     def set(self, arg: str) -> SettingsView | Notice:
         if not arg:
-            return SettingsView(setting_values(self.settings))
+            return SettingsView(setting_values(self.settings), self.ctx.resolved_settings())
         typed_key, _, value = arg.partition(" ")
         if not value.strip():
             raise CommandError("missing argument: /set KEY VALUE")
-        key = setting_key(typed_key)
-        settings = replace_setting(self.settings, key, value.strip())
-        new_value = setting_values(settings)[key]
-        if key == "reuse.mode":
+        info = setting_info(typed_key)
+        settings = replace_setting(self.settings, info.key, value.strip())
+        new_value = setting_values(settings)[info.key]
+        if info.key == "reuse.mode":
             self.ctx.mode = ReuseMode(new_value)
         self.settings = settings
-        later = "" if key.startswith(LIVE_SETTINGS) else " (takes effect when kvchat starts again)"
-        return Notice(f"{key} = {new_value}{later}", {"key": key, "value": new_value})
+        # Settings that are not live are read once, when kvchat starts.
+        later = "" if info.spec.live else " (takes effect when kvchat starts again)"
+        return Notice(f"{info.key} = {shown_value(new_value)}{later}", {"key": info.key, "value": new_value})
 
     @command(
         "mode",

@@ -10,9 +10,10 @@ from prompt_toolkit.document import Document
 from kvchat.chunks.types import ReuseMode
 from kvchat.cli.commands import Shell
 from kvchat.cli.registry import PREFIX, ArgKind
-from kvchat.cli.settings import setting_values
+from kvchat.cli.settings import setting_info, setting_values, shown_value
 from kvchat.cli.views import preview
 from kvchat.errors import KvchatError
+from kvchat.settings_schema import all_settings
 
 
 class ShellCompleter(Completer):
@@ -36,6 +37,9 @@ class ShellCompleter(Completer):
             return
         if kind is ArgKind.PATH or (kind is ArgKind.TEXT_OR_FILE and arg.startswith("@")):
             yield from self._path(arg.removeprefix("@"), complete_event)
+        elif kind is ArgKind.SETTING and arg.count(" ") == 1:
+            key, _, value = arg.partition(" ")
+            yield from _matching(_setting_choices(key), value)
         elif " " not in arg:
             yield from _matching(self._candidates(kind), arg)
 
@@ -54,7 +58,11 @@ class ShellCompleter(Completer):
             by_number = [(str(c.number), f"{c.role}: {preview(c.text, 36)}") for c in chunks]
             return by_number + [(c.chunk_id, f"#{c.number} {c.role}") for c in chunks]
         if kind is ArgKind.SETTING:
-            return [(key, str(value)) for key, value in setting_values(self.shell.settings).items()]
+            values = setting_values(self.shell.settings)
+            return [
+                (key, f"{shown_value(values[key])} · {info.spec.help}")
+                for key, info in all_settings().items()
+            ]
         if kind is ArgKind.MODE:
             return [(mode.value, "") for mode in ReuseMode]
         if kind is ArgKind.COMMAND:
@@ -63,6 +71,17 @@ class ShellCompleter(Completer):
 
     def _path(self, typed: str, event: CompleteEvent) -> Iterable[Completion]:
         return self._paths.get_completions(Document(typed, len(typed)), event)
+
+
+def _setting_choices(key: str) -> list[tuple[str, str]]:
+    """The values a setting takes, where they are few: its choices, or true and false."""
+    try:
+        info = setting_info(key)
+    except KvchatError:
+        return []
+    if info.value_type is bool:
+        return [("true", ""), ("false", "")]
+    return [(choice, "") for choice in info.spec.choices]
 
 
 def _matching(candidates: list[tuple[str, str]], typed: str) -> Iterator[Completion]:

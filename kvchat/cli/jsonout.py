@@ -6,10 +6,9 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from kvchat.chunks.attention import AttentionReport
 from kvchat.chunks.blockmap import BlockMap
-from kvchat.chunks.compare import Comparison, ModeAnswer
 from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceResult
+from kvchat.chunks.view_records import AttentionReport, Comparison, ModeAnswer
 from kvchat.cli.registry import Command
 from kvchat.cli.results import (
     ChunkChange,
@@ -62,7 +61,8 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
       `generated_tokens`, `first_difference` (token index, null when identical), `agreement`.
     - show with heat: `chunk` as for show, `output_number`, `pieces` (each token's text) and `heat`
       (each token's share of the answer's attention).
-    - set: `settings` ({"table.key": value}) when listing; `key` and `value` when changing one.
+    - set: `settings` ({"table.key": value}) and `resolved` (what `auto` model settings resolved to,
+      {"model.dtype": "bf16", ...}) when listing; `key` and `value` when changing one.
     - mode: `mode`. save, load: `path`, `num_chunks`. clear, reset: `message`.
     - help: `commands`, a list of {`name`, `usage`, `summary`, `aliases`}; `/help NAME` adds `command`.
     - quit: nothing more.
@@ -118,8 +118,8 @@ def _fields(record: object) -> dict[str, Any]:
             return {"reference": reference, "results": [_answer_fields(r) for r in results]}
         case ChunkHeat(detail=detail, output_number=number, pieces=pieces, weights=weights):
             return {**_fields(detail), "output_number": number, "pieces": pieces, "heat": weights}
-        case SettingsView(values=values):
-            return {"settings": values}
+        case SettingsView(values=values, resolved=resolved):
+            return {"settings": values, "resolved": resolved}
         case HelpView(commands=commands, topic=topic):
             topic_fields = {"command": _command_fields(topic)} if topic else {}
             return {"commands": [_command_fields(c) for c in commands], **topic_fields}

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvchat.chunks.types import ChunkDetail, ChunkInfo, InferenceResult, StepEvent
 from kvchat.cli.registry import Command
-from kvchat.engine.generate import PrefillProgress
+from kvchat.engine.records import PrefillProgress
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Notice:
 @dataclass(frozen=True)
 class SettingsView:
     values: dict[str, Any]  # dotted key -> value
+    resolved: dict[str, str] = field(default_factory=dict)  # dotted key -> what it resolved to
 
 
 @dataclass(frozen=True)

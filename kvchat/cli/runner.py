@@ -10,7 +10,7 @@ from kvchat.cli.commands import Shell
 from kvchat.cli.registry import split_command
 from kvchat.cli.results import Inference, Quit
 from kvchat.cli.ui import UI
-from kvchat.engine.generate import PrefillProgress
+from kvchat.engine.records import PrefillProgress
 from kvchat.errors import KvchatError
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvchat import config
+from kvchat.settings_schema import SettingInfo, all_settings
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
@@ -16,6 +17,12 @@ def setting_values(settings: Settings) -> dict[str, Any]:
     return {f"{table}.{key}": value for table, values in nested.items() for key, value in values.items()}
 
 
-def setting_key(key: str) -> str:
-    """`key` as `table.key` (a bare key unique across tables is accepted); ConfigError when unknown."""
-    return ".".join(config.resolve_key(key))
+def setting_info(key: str) -> SettingInfo:
+    """The declaration of `key` (`table.key`, or a bare key unique across tables); ConfigError if unknown."""
+    return all_settings()[".".join(config.resolve_key(key))]
+
+
+def shown_value(value: Any, resolved: str | None = None) -> str:
+    """A value as TOML writes it, with what it resolved to when that says more: `"auto" (bf16)`."""
+    text = config.format_value(value)
+    return f"{text} ({resolved})" if resolved is not None and resolved not in (str(value), text) else text

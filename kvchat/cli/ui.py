@@ -13,10 +13,9 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from rich.text import Text
 from rich.theme import Theme
 
-from kvchat.chunks.attention import AttentionReport
 from kvchat.chunks.blockmap import BlockMap
-from kvchat.chunks.compare import Comparison
 from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceResult, StepEvent
+from kvchat.chunks.view_records import AttentionReport, Comparison
 from kvchat.cli import cacheviews, jsonout, views
 from kvchat.cli.results import (
     ChunkChange,
@@ -28,7 +27,7 @@ from kvchat.cli.results import (
     Quit,
     SettingsView,
 )
-from kvchat.engine.generate import PrefillProgress
+from kvchat.engine.records import PrefillProgress
 
 if TYPE_CHECKING:
     from kvchat.models.progress import ProgressCallback
@@ -122,13 +121,13 @@ class UI:
             self.console.print(renderable, soft_wrap=isinstance(renderable, Text))
 
     def error(self, cmd: str | None, message: str, line: int | None = None) -> None:
-        """One red line for a command that failed; the session goes on."""
+        """One red line on stderr for a command that failed (answers alone go to stdout); with --json
+        its JSON object goes to stdout too, in the stream's order. The session goes on."""
         self._end_stream()
         if self.json_lines:
             self._json(jsonout.error_json(cmd, message, line))
-            return
         where = f"line {line}: " if line is not None else ""
-        self.console.print(Text(f"error: {where}{message}", style="error"), soft_wrap=True)
+        self.err_console.print(Text(f"error: {where}{message}", style="error"), soft_wrap=True)
 
     def _json(self, obj: dict[str, Any]) -> None:
         self.console.out(jsonout.dumps(obj), highlight=False)

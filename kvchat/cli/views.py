@@ -15,6 +15,7 @@ from kvchat.chunks.types import (
     InferenceResult,
 )
 from kvchat.cli.results import ChunkChange, HelpView, SettingsView
+from kvchat.cli.settings import shown_value
 
 PREVIEW_CHARS = 48
 
@@ -199,7 +200,7 @@ def chunk_reports_table(reports: list[ChunkReport]) -> RenderableType:
 def settings_table(view: SettingsView) -> RenderableType:
     table = Table("setting", "value", box=None, pad_edge=False)
     for key, value in view.values.items():
-        table.add_row(key, str(value))
+        table.add_row(key, shown_value(value, view.resolved.get(key)))
     return table
 
 

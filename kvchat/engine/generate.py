@@ -10,6 +10,7 @@ import torch
 
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
+from kvchat.engine.records import PrefillProgress
 from kvchat.engine.sampling import SamplingParams, make_sampler
 from kvchat.engine.sequence import Sequence
 
@@ -32,14 +33,6 @@ class GenerationStats:
     def decode_tok_s(self) -> float:
         steps = self.num_generated - 1  # the first token comes from the prefill
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class PrefillProgress:
-    """A prompt longer than one prefill piece reports each piece before the first token."""
-
-    done: int  # prompt tokens computed so far by this prefill
-    total: int  # prompt tokens this prefill computes
 
 
 @dataclass(frozen=True)

@@ -3,26 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is chosen, and when generation stops.
-
-    temperature 0 means greedy. top_k 0, top_p 1.0, min_p 0.0 and repetition_penalty 1.0 are off.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int = 256
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+from kvchat.settings_schema import SamplingParams, check_section
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -35,12 +19,18 @@ def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penal
     out = logits.clone()  # (V,)
     # Every duplicate of an id writes the same value, computed from the original logit: once per token.
     out[ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
-    return out
+    # A tiny penalty can overflow a positive logit to inf, and inf - inf is nan further on.
+    return out.clamp_(max=torch.finfo(out.dtype).max)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Divide the logits by `temperature` (> 0)."""
-    return logits / temperature  # (V,)
+    """Divide the logits by `temperature` (> 0).
+
+    A temperature outside the dtype's normal numbers would round to 0 or inf in the division (0 / 0 and
+    inf / inf are nan), so it is brought within them.
+    """
+    info = torch.finfo(logits.dtype)
+    return logits / min(max(temperature, info.tiny), info.max)  # (V,)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -87,21 +77,6 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < min_p * probs.max(), -math.inf)  # (V,)
 
 
-def _check_params(params: SamplingParams) -> None:
-    # Written as `not (ok)` so that NaN fails too.
-    checks = [
-        (params.temperature >= 0, "temperature must be >= 0"),
-        (0 < params.top_p <= 1, "top_p must be in (0, 1]"),
-        (params.top_k >= 0, "top_k must be >= 0 (0 is off)"),
-        (0 <= params.min_p < 1, "min_p must be in [0, 1)"),
-        (params.repetition_penalty > 0, "repetition_penalty must be > 0 (1.0 is off)"),
-        (params.max_tokens >= 1, "max_tokens must be >= 1"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(f"{message}, got {params}")
-
-
 class Sampler:
     """Chooses the next token from the last position's logits; build it with `make_sampler`."""
 
@@ -118,7 +93,9 @@ class Sampler:
         if p.temperature == 0.0:
             return int(x.argmax())
         if p.temperature != 1.0:
-            x = apply_temperature(x, p.temperature)
+            # Largest logit at 0 first (softmax ignores the shift): a tiny temperature then sends the
+            # others to -inf, greedy as the limit is, instead of inf - inf = nan further on.
+            x = apply_temperature(x - x.max(), p.temperature)  # (V,)
         x = apply_top_k(x, p.top_k)
         x = apply_top_p(x, p.top_p)
         x = apply_min_p(x, p.min_p)
@@ -138,7 +115,7 @@ class Sampler:
 
 def make_sampler(params: SamplingParams, device: torch.device | str = "cpu") -> Sampler:
     """Validate `params` (ValueError) and build the sampler, with its generator seeded once."""
-    _check_params(params)
+    check_section(params)  # the ranges `/set` and the config files check, so they never disagree
     generator = torch.Generator(device=device)
     if params.seed is None:
         generator.seed()

@@ -11,6 +11,7 @@ import torch
 from kvchat.errors import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _CPUINFO = Path("/proc/cpuinfo")
 
@@ -31,19 +32,17 @@ def choose_device(name: str) -> torch.device:
     return device
 
 
-def choose_dtype(name: str, device: torch.device, stored: torch.dtype | None = None) -> torch.dtype:
+def choose_dtype(name: str, device: torch.device) -> torch.dtype:
     """The weights dtype for `name` (auto|bf16|fp32|fp16) on `device`.
 
-    auto keeps weights stored in fp32 in fp32 (the packaged SmolLM2, dequantized from GGUF, answers
-    nonsense in bf16); otherwise it is bf16 where the hardware computes it natively (CUDA with bf16,
-    a CPU with AVX512_BF16 or AMX), else fp32. fp16 on a CPU is slow: only an explicit request gets it.
+    auto is bf16 where the hardware computes it natively (CUDA with bf16, a CPU with AVX512_BF16 or
+    AMX), else fp32. On the packaged SmolLM2 bf16 scores the same perplexity as fp32 and prefills ~2.5x
+    faster (scripts/bench_dtype.py, README). fp16 on a CPU is slow: only an explicit request gets it.
     """
     if name in DTYPES:
         return DTYPES[name]
     if name != "auto":
         raise ConfigError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
-    if stored == torch.float32:
-        return torch.float32
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     if device.type == "cpu" and cpu_has_native_bf16():
@@ -55,6 +54,16 @@ def choose_dtype(name: str, device: torch.device, stored: torch.dtype | None = N
 def cpu_has_native_bf16() -> bool:
     """True when the CPU has bf16 instructions (torch's capability string stops at "AVX512")."""
     return any(flag in _cpu_flags() for flag in _CPU_BF16_FLAGS)
+
+
+def describe_runtime(model_id: str, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
+    """What the model settings resolved to in this process (`auto` dtype and device, 0 threads)."""
+    return {
+        "model.model": model_id,
+        "model.dtype": DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+        "model.device": str(device),
+        "model.threads": str(torch.get_num_threads()),
+    }
 
 
 def apply_threads(num_threads: int) -> int:

@@ -21,6 +21,7 @@ from transformers import (
 from kvchat.config import ModelSettings
 from kvchat.errors import KvchatError, ModelLoadError
 from kvchat.models.device import apply_threads, choose_device, choose_dtype
+from kvchat.models.gguf import ensure_gguf_converted
 from kvchat.models.packaged import ensure_converted
 from kvchat.models.progress import ProgressCallback, quiet_transformers, report
 from kvchat.models.sources import ModelSource, resolve_model
@@ -59,8 +60,8 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     source = resolve_model(settings.model)
     device = choose_device(settings.device)
     apply_threads(settings.threads)
-    folder = ensure_converted(progress) if source.kind == "packaged" else None
-    dtype = choose_dtype(settings.dtype, device, _stored_dtype(source, folder))
+    folder = _converted_folder(source, progress)
+    dtype = choose_dtype(settings.dtype, device)
     description = f"loading {source.model_id}"
     report(progress, description, 0, 1)
     with quiet_transformers():
@@ -68,11 +69,6 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
             model, tokenizer = _load_pretrained(str(folder), dtype, local_files_only=True)
         elif source.kind == "local":
             model, tokenizer = _load_pretrained(source.location, dtype, local_files_only=True)
-        elif source.kind == "gguf":
-            path = Path(source.location)
-            model, tokenizer = _load_pretrained(
-                str(path.parent), dtype, local_files_only=True, gguf_file=path.name
-            )
         else:
             model, tokenizer = _load_hub(source.location, dtype)
     try:
@@ -95,16 +91,13 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     )
 
 
-def _stored_dtype(source: ModelSource, folder: Path | None) -> torch.dtype | None:
-    """The dtype a checkpoint's weights are stored in, where it can be told without loading them."""
+def _converted_folder(source: ModelSource, progress: ProgressCallback | None) -> Path | None:
+    """The safetensors conversion of a GGUF (the packaged one or a user's), made on first use."""
+    if source.kind == "packaged":
+        return ensure_converted(progress)
     if source.kind == "gguf":
-        return torch.float32  # transformers dequantizes GGUF weights to fp32
-    config_file = (folder or Path(source.location)) / "config.json"
-    if source.kind not in ("packaged", "local") or not config_file.is_file():
-        return None
-    config = json.loads(config_file.read_text())
-    name = config.get("dtype") or config.get("torch_dtype")
-    return getattr(torch, name, None) if isinstance(name, str) else None
+        return ensure_gguf_converted(Path(source.location), progress)
+    return None
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

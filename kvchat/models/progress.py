@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Iterable, Iterator, Sized
 from contextlib import contextmanager
 from typing import Protocol, TypeVar
 
@@ -27,14 +28,17 @@ def report(
 
 
 @contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Hide transformers' own tqdm bars: progress goes through the callback, and the UI owns the terminal."""
+def quiet_transformers(progress: ProgressCallback | None = None, description: str = "") -> Iterator[None]:
+    """Hide transformers' own tqdm bars: progress goes through the callback, and the UI owns the terminal.
+
+    A GGUF being dequantized meanwhile reports its tensors, done of total, to `progress` as `description`.
+    """
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
-    # The GGUF dequantizer calls tqdm directly, ignoring the switch above.
+    # The GGUF dequantizer calls tqdm directly over its tensors, ignoring the switch above.
     original_tqdm = getattr(gguf_utils, "tqdm", None)
     if original_tqdm is not None:
-        gguf_utils.tqdm = _no_bar
+        gguf_utils.tqdm = functools.partial(_reporting, progress, description)
     try:
         yield
     finally:
@@ -44,5 +48,12 @@ def quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _no_bar(iterable: Iterable[T], *args: object, **kwargs: object) -> Iterable[T]:
-    return iterable
+def _reporting(
+    progress: ProgressCallback | None, description: str, items: Iterable[T], *args: object, **kwargs: object
+) -> Iterator[T]:
+    total = len(items) if isinstance(items, Sized) else None
+    for done, item in enumerate(items):
+        report(progress, description, done, total)
+        yield item
+    if total is not None:
+        report(progress, description, total, total)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import re
 import tomllib
 from dataclasses import dataclass
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Literal
 
 from kvchat.errors import ConfigError, ModelLoadError
 
-MODELS_FILE = Path(__file__).resolve().parent.parent.parent / "configs" / "models.toml"
+MODELS_FILE: Traversable = importlib.resources.files("kvchat") / "configs" / "models.toml"
 # Hugging Face repo ids: `org/name`, letters, digits, `-`, `_` and `.`.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -41,11 +43,10 @@ class ModelSource:
 
 
 @functools.cache
-def load_aliases(path: Path = MODELS_FILE) -> dict[str, Alias]:
+def load_aliases(path: Traversable | Path = MODELS_FILE) -> dict[str, Alias]:
     """The aliases of configs/models.toml, by name."""
     try:
-        with path.open("rb") as file:
-            table = tomllib.load(file).get("aliases", {})
+        table = tomllib.loads(path.read_text(encoding="utf-8")).get("aliases", {})
         return {
             name: Alias(name, entry["hub"], bool(entry.get("packaged", False)))
             for name, entry in table.items()

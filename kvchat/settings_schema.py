@@ -1,0 +1,279 @@
+"""Every setting, declared once: name and type (the dataclass field), default, valid values, help,
+whether it applies live, and its command-line flag.
+
+The TOML defaults check, the flags, `/set`, completion, validation and the sampler's own checks all
+read these declarations. Plain Python (no torch), so `kvchat --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Range:
+    """Numbers from `low` to `high` (None: unbounded), each end open or closed."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        assert isinstance(value, int | float)
+        if self.low is not None and not (value > self.low if self.low_open else value >= self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        if self.low is None:
+            return f"{'<' if self.high_open else '<='} {_number(self.high)}"
+        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"in {left}{_number(self.low)}, {_number(self.high)}{right}"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a setting's field declares beside its name, type and default."""
+
+    help: str
+    live: bool = False  # applies to the running session; otherwise read when kvchat starts
+    flag: str | None = None  # the command-line option, e.g. "--top-p"
+    range: Range | None = None
+    note: str = ""  # what a special value means, e.g. "0 is greedy"
+    choices: tuple[str, ...] = ()
+    aliases: Mapping[str, str] = field(default_factory=dict)  # other spellings of a choice
+    pattern: str | None = None  # a regular expression the whole value must match
+    pattern_help: str = ""  # the rule the pattern stands for, e.g. "must be auto, cpu, cuda or cuda:N"
+
+
+def setting(default: Any, help: str, **spec: Any) -> Any:
+    """A dataclass field that carries its Spec."""
+    return field(default=default, metadata={"spec": Spec(help, **spec)})
+
+
+def _number(value: float | None) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Which model to run, and where."""
+
+    model: str = setting(
+        "smollm2-135m",
+        "An alias from configs/models.toml, a Hugging Face id (org/name), a local model folder, or a "
+        ".gguf file.",
+        flag="--model",
+        pattern=r"(?s).*\S.*",
+        pattern_help="must not be empty",
+    )
+    dtype: str = setting(
+        "auto",
+        "Weights dtype: auto, bf16, fp32 or fp16 (bfloat16, float32, float16 are accepted too).",
+        flag="--dtype",
+        choices=("auto", "bf16", "fp32", "fp16"),
+        aliases={"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "half": "fp16", "float": "fp32"},
+    )
+    device: str = setting(
+        "auto",
+        "auto (cuda when available, else cpu), cpu, cuda or cuda:N.",
+        flag="--device",
+        pattern=r"auto|cpu|cuda(:\d+)?",
+        pattern_help="must be auto, cpu, cuda or cuda:N",
+    )
+    threads: int = setting(
+        0, "CPU threads for torch.", flag="--threads", range=Range(0), note="0 picks automatically"
+    )
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The paged KV cache's size and the prefill step."""
+
+    kv_memory_mb: int = setting(
+        512, "Memory for the paged KV cache, in MiB.", flag="--kv-memory", range=Range(1)
+    )
+    block_size: int = setting(16, "Tokens per KV block.", flag="--block-size", range=Range(1, 1024))
+    prefill_chunk: int = setting(
+        512, "Most tokens sent through the model in one prefill pass.", range=Range(1)
+    )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen, and when generation stops.
+
+    temperature 0 means greedy. top_k 0, top_p 1.0, min_p 0.0 and repetition_penalty 1.0 are off.
+    """
+
+    temperature: float = setting(
+        0.0, "Sampling temperature.", live=True, flag="--temperature", range=Range(0), note="0 is greedy"
+    )
+    top_k: int = setting(
+        0, "Keep only the k most likely tokens.", live=True, flag="--top-k", range=Range(0), note="0 is off"
+    )
+    top_p: float = setting(
+        1.0,
+        "Keep the most likely tokens whose probabilities add up to top_p.",
+        live=True,
+        flag="--top-p",
+        range=Range(0, 1, low_open=True),
+        note="1 is off",
+    )
+    min_p: float = setting(
+        0.0,
+        "Drop tokens less likely than min_p times the most likely one.",
+        live=True,
+        flag="--min-p",
+        range=Range(0, 1, high_open=True),
+        note="0 is off",
+    )
+    repetition_penalty: float = setting(
+        1.0,
+        "Divide the logits of tokens already seen (once per distinct token).",
+        live=True,
+        flag="--repetition-penalty",
+        range=Range(0, low_open=True),
+        note="1 is off",
+    )
+    max_tokens: int = setting(
+        256, "Most tokens generated per answer.", live=True, flag="--max-tokens", range=Range(1)
+    )
+    seed: int | None = setting(
+        None,
+        "Random seed for sampling; unset, a fresh seed each run.",
+        live=True,
+        flag="--seed",
+        range=Range(0, 2**64 - 1),  # what torch.Generator.manual_seed takes
+    )
+    stop: tuple[str, ...] = setting((), "Strings that end an answer.", live=True)
+
+
+@dataclass(frozen=True)
+class ReuseSettings:
+    """How cached chunks are reused at a position other than where they were computed."""
+
+    mode: str = setting(
+        "exact",
+        "How cached chunks are reused: exact, reposition or repair.",
+        live=True,
+        flag="--reuse",
+        choices=("exact", "reposition", "repair"),
+    )
+    repair_share: float = setting(
+        0.15, "Share of a moved chunk's tokens recomputed in repair mode.", range=Range(0, 1)
+    )
+    repair_min_tokens: int = setting(4, "Fewest tokens recomputed per chunk in repair mode.", range=Range(0))
+    verify_tokens: int = setting(16, "Tokens /verify compares.", live=True, range=Range(1))
+
+
+@dataclass(frozen=True)
+class UiSettings:
+    """How the REPL shows things."""
+
+    color: bool = setting(True, "Colors and styles; --no-color prints no escape codes.", flag="--color")
+    json: bool = setting(False, "Print one JSON object per command.", flag="--json")
+    debug: bool = setting(False, "Show tracebacks.", flag="--debug")
+    history_file: str = setting("~/.local/share/kvchat/history", "Where the REPL keeps its input history.")
+    show_thinking: bool = setting(True, "Show a reasoning model's <think> text.", live=True)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting, one field per TOML table."""
+
+    model: ModelSettings = ModelSettings()
+    cache: CacheSettings = CacheSettings()
+    sampling: SamplingParams = SamplingParams()
+    reuse: ReuseSettings = ReuseSettings()
+    ui: UiSettings = UiSettings()
+
+
+TABLES: dict[str, type] = typing.get_type_hints(Settings)
+
+
+@dataclass(frozen=True)
+class SettingInfo:
+    """One setting as the rest of kvchat sees it."""
+
+    table: str
+    name: str
+    type: Any  # int, float, str, bool, tuple[str, ...], or `X | None`
+    default: Any
+    spec: Spec
+
+    @property
+    def key(self) -> str:
+        return f"{self.table}.{self.name}"
+
+    @property
+    def value_type(self) -> Any:
+        """The type without `| None`."""
+        if isinstance(self.type, types.UnionType):
+            (inner,) = [arg for arg in typing.get_args(self.type) if arg is not type(None)]
+            return inner
+        return self.type
+
+    @property
+    def optional(self) -> bool:
+        return isinstance(self.type, types.UnionType) and type(None) in typing.get_args(self.type)
+
+
+@functools.cache
+def all_settings() -> dict[str, SettingInfo]:
+    """Every setting by `table.key`, in declaration order."""
+    out: dict[str, SettingInfo] = {}
+    for table, cls in TABLES.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            info = SettingInfo(table, f.name, hints[f.name], f.default, f.metadata["spec"])
+            out[info.key] = info
+    return out
+
+
+def normalize(info: SettingInfo, value: Any) -> Any:
+    """Another accepted spelling of a choice (`bfloat16`, `BF16`) as its own name (`bf16`)."""
+    if not isinstance(value, str) or not info.spec.choices:
+        return value
+    lowered = value.strip().lower()
+    return info.spec.aliases.get(lowered, lowered if lowered in info.spec.choices else value)
+
+
+def problem(info: SettingInfo, value: Any) -> str | None:
+    """Why `value` (already of the setting's type) is not valid for it, or None."""
+    spec = info.spec
+    if value is None:
+        return None if info.optional else "must be set"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    if spec.range is not None and value not in spec.range:
+        return f"must be {spec.range}" + (f" ({spec.note})" if spec.note else "")
+    if spec.choices and value not in spec.choices:
+        return f"must be one of {', '.join(spec.choices)}"
+    if spec.pattern is not None and re.fullmatch(spec.pattern, value) is None:
+        return spec.pattern_help or f"must match {spec.pattern}"
+    if isinstance(value, tuple) and not all(value):
+        return "must not contain empty strings"
+    return None
+
+
+def check_section(section: object) -> None:
+    """Raise ValueError naming the first invalid field of a settings dataclass (e.g. SamplingParams)."""
+    table = next(name for name, cls in TABLES.items() if cls is type(section))
+    for f in dataclasses.fields(section):  # type: ignore[arg-type]  # a settings dataclass instance
+        info = all_settings()[f"{table}.{f.name}"]
+        value = getattr(section, f.name)
+        reason = problem(info, value)
+        if reason is not None:
+            raise ValueError(f"{info.key} = {value!r} {reason}")

@@ -1,0 +1,50 @@
+"""A wheel, installed without the source tree, carries its TOML files and starts."""
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.packaging
+
+
+def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        args, cwd=cwd, capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    )
+
+
+def test_the_wheel_carries_the_configs_and_runs_without_the_source(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    shutil.copytree(ROOT / "kvchat", source / "kvchat", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    built = run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", "dist", "."],
+        source,
+    )
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (source / "dist").glob("kvchat-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"kvchat/configs/default.toml", "kvchat/configs/models.toml"} <= names
+
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)  # what pip install puts in site-packages
+    code = (
+        "import sys, kvchat.config as c, kvchat.models.sources as s\n"
+        "assert c.__file__.startswith(sys.argv[1]), c.__file__\n"
+        "print(c.load_settings().model.model, s.load_aliases()['smollm2-135m'].hub_id)\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = run([sys.executable, "-c", code, str(site)], elsewhere, PYTHONPATH=str(site), KVCHAT_CONFIG="")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    helped = run([sys.executable, "-m", "kvchat", "run", "--help"], elsewhere, PYTHONPATH=str(site))
+    assert helped.returncode == 0 and "--kv-memory" in helped.stdout
