@@ -9,11 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvchat.chunks.blockmap import BlockMap, cache_map
 from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, ReuseMode
+from kvchat.chunks.view_records import AttentionReport, Comparison
+from kvchat.cli import cache_commands
 from kvchat.cli.arguments import count, read_text
 from kvchat.cli.registry import ArgKind, Command, CommandRegistry, command, split_command
 from kvchat.cli.results import (
     ChunkChange,
+    ChunkHeat,
     ChunkList,
     HelpView,
     Inference,
@@ -146,18 +150,26 @@ class Shell:
 
     @command(
         "show",
-        "Show one chunk: text, token ids, positions, KV positions, blocks",
-        usage="N|ID",
+        "Show one chunk: text, token ids, positions, blocks; with heat, what the last answer attended to",
+        usage="N|ID [heat]",
         arg=ArgKind.CHUNK,
     )
-    def show(self, arg: str) -> ChunkDetail:
+    def show(self, arg: str) -> ChunkDetail | ChunkHeat:
         """Everything about one chunk, by number or id: its number, role and id; its tokens and token
         ids (the first 64; --json has all); the positions it takes in the current context; the positions
         its kept KV was computed at (where these differ, reuse must reposition or recompute it); the
         blocks holding that KV and their references; for outputs, the number, the chunks of the context
         it came from and whether thinking was hidden; then the text.
+        With `heat`: the chunk's tokens shaded by the share of attention the last answer paid to each,
+        and the most attended tokens (the shares sum to the chunk's row of /attention).
         """
-        return self.ctx.chunk(arg)
+        ref, _, option = arg.partition(" ")
+        if option.strip() not in ("", "heat"):
+            raise CommandError(f"unknown option {option.strip()!r}: /show N|ID [heat]")
+        detail = self.ctx.chunk(ref)
+        if not option.strip():
+            return detail
+        return cache_commands.heat(self.ctx, detail)
 
     @command("drop", "Remove a chunk from the context", usage="N|ID", arg=ArgKind.CHUNK)
     def drop(self, arg: str) -> ChunkChange:
@@ -194,6 +206,45 @@ class Shell:
           hit rate    prompt tokens found in the cache, of those looked up, since start or /reset
         """
         return self.ctx.stats()
+
+    @command("blocks", "Map of the KV pool: each block's chunk, sharing, pins, moved KV")
+    def blocks(self, arg: str) -> BlockMap:
+        """One cell per block of the KV pool, lettered by the chunk whose KV it holds (the legend gives
+        each letter's chunk number, role, id and block count). Marks: + pinned (a retained output),
+        * pinned and shared, = shared (more than one reference), . cached (unreferenced, reusable KV,
+        evicted least recently used first), ·· free. A lowercase letter: the block holds moved
+        (repositioned, not exact) KV. Long runs of equal cells are one line with their block range.
+        """
+        return cache_map(self.ctx)
+
+    @command(
+        "attention",
+        "Share of attention the last answer (or output N) paid to each chunk of its context",
+        usage="[N]",
+        arg=ArgKind.OUTPUT,
+    )
+    def attention(self, arg: str) -> AttentionReport:
+        """Re-reads the last answer (or output N) teacher-forced with attention weights, one extra
+        forward over the answer, and shows the share of attention its tokens paid to each chunk of its
+        context, averaged over heads and layers, and per layer group (early, middle, late thirds).
+        The first 4 tokens (attention sinks) have a row of their own; the shares sum to 1.
+        """
+        return cache_commands.attention(self.ctx, count(arg) if arg else None)
+
+    @command(
+        "compare",
+        "Answer the query under each mode (default: exact reposition repair), greedily, side by side",
+        usage="[MODE...]",
+        arg=ArgKind.MODE,
+    )
+    def compare(self, arg: str) -> Comparison:
+        """Answers the current query once per MODE (exact, reposition, repair; default all three) from
+        the same cached chunks, greedily whatever the sampling settings, so differences come from the
+        KV alone. Shows each answer with the first differing token marked, its time to first token,
+        the prompt tokens it computed and its per-token agreement with the reference (exact if
+        compared, else the first mode). Nothing is kept: no output, the live sequence unchanged.
+        """
+        return cache_commands.compare(self.ctx, arg, self.settings.sampling)
 
     @command("set", "Change a setting, or list them all", usage="[KEY VALUE]", arg=ArgKind.SETTING)
     def set(self, arg: str) -> SettingsView | Notice:

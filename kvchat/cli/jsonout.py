@@ -7,9 +7,20 @@ import math
 from dataclasses import asdict
 from typing import Any
 
+from kvchat.chunks.blockmap import BlockMap
 from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceResult
+from kvchat.chunks.view_records import AttentionReport, Comparison, ModeAnswer
 from kvchat.cli.registry import Command
-from kvchat.cli.results import ChunkChange, ChunkList, HelpView, Notice, OutputList, Quit, SettingsView
+from kvchat.cli.results import (
+    ChunkChange,
+    ChunkHeat,
+    ChunkList,
+    HelpView,
+    Notice,
+    OutputList,
+    Quit,
+    SettingsView,
+)
 
 
 def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, Any]:
@@ -38,6 +49,20 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
     - verify: `fidelity` with `mode`, `kl_divergence`, `top1_agree`, `top5_overlap`,
       `max_logit_diff`, `greedy_agree`, `greedy_tokens`, `top1_rate`, `reused_tokens`, `repositioned_tokens`,
       `computed_tokens`.
+    - blocks: `blocks`, one object per block that is not free: `block_id`, `state` ("pinned", "used"
+      or "cached": unreferenced, holding reusable KV), `ref_count`, `chunk_ids` (chunks whose KV it
+      holds), `exact` (false: moved KV, or KV computed after moved KV); `chunks`, the legend: `chunk_id`,
+      `number`, `role`, `output_number`, `num_blocks`; and `counts`: `num_blocks`, `num_used`,
+      `num_pinned`, `num_shared` (more than one reference), `num_cached`, `num_moved`, `num_free`.
+    - attention: `output_number`, `num_queries`, `num_layers`, `over_live_kv`, and `chunks`: the sink
+      tokens (role "sink"), each context chunk, then the answer (role "answer"), each with `chunk_id`,
+      `role`, `number`, `num_tokens`, `attention_share` and `by_layer_group` ({"early": share, ...});
+      the shares sum to 1.
+    - compare: `reference` (the mode the others are compared with) and `results`, one per mode:
+      `mode`, `output`, `ttft_s`, `reused_tokens`, `repositioned_tokens`, `computed_tokens`,
+      `generated_tokens`, `first_difference` (token index, null when identical), `agreement`.
+    - show with heat: `chunk` as for show, `output_number`, `pieces` (each token's text) and `heat`
+      (each token's share of the answer's attention).
     - set: `settings` ({"table.key": value}) and `resolved` (what `auto` model settings resolved to,
       {"model.dtype": "bf16", ...}) when listing; `key` and `value` when changing one.
     - mode: `mode`. save, load: `path`, `num_chunks`. clear, reset: `message`.
@@ -94,6 +119,20 @@ def _fields(record: object) -> dict[str, Any]:
             return {"stats": {**asdict(record), "hit_rate": record.hit_rate}}
         case FidelityReport():
             return {"fidelity": asdict(record)}
+        case BlockMap():
+            return {
+                "blocks": [asdict(b) for b in record.blocks],
+                "chunks": [asdict(k) for k in record.chunks],
+                "counts": record.counts(),
+            }
+        case AttentionReport():
+            fields = asdict(record)
+            del fields["token_weights"], fields["positions"]
+            return fields
+        case Comparison(reference=reference, results=results):
+            return {"reference": reference, "results": [_answer_fields(r) for r in results]}
+        case ChunkHeat(detail=detail, output_number=number, pieces=pieces, weights=weights):
+            return {**_fields(detail), "output_number": number, "pieces": pieces, "heat": weights}
         case SettingsView(values=values, resolved=resolved):
             return {"settings": values, "resolved": resolved}
         case HelpView(commands=commands, topic=topic):
@@ -110,6 +149,13 @@ def _inference_fields(result: InferenceResult) -> dict[str, Any]:
     fields = asdict(result)
     fields["output"] = fields.pop("text")
     fields["generated_tokens"] = len(fields.pop("token_ids"))
+    return fields
+
+
+def _answer_fields(answer: ModeAnswer) -> dict[str, Any]:
+    fields = asdict(answer)
+    fields["generated_tokens"] = len(fields.pop("token_ids"))
+    del fields["first_difference_char"]
     return fields
 
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvchat.chunks.types import ChunkInfo, InferenceResult, StepEvent
+from kvchat.chunks.types import ChunkDetail, ChunkInfo, InferenceResult, StepEvent
 from kvchat.cli.registry import Command
 from kvchat.engine.records import PrefillProgress
 
@@ -61,3 +61,13 @@ class HelpView:
 @dataclass(frozen=True)
 class Quit:
     """Ends the session."""
+
+
+@dataclass(frozen=True)
+class ChunkHeat:
+    """`/show N heat`: a chunk's tokens with the share of the last answer's attention each drew."""
+
+    detail: ChunkDetail
+    output_number: int
+    pieces: list[str]  # each token's text; joined, the chunk's decoded text
+    weights: list[float]  # each token's share of the answer's attention (all chunks' sum to 1)

@@ -13,9 +13,20 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from rich.text import Text
 from rich.theme import Theme
 
+from kvchat.chunks.blockmap import BlockMap
 from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceResult, StepEvent
-from kvchat.cli import jsonout, views
-from kvchat.cli.results import ChunkChange, ChunkList, HelpView, Notice, OutputList, Quit, SettingsView
+from kvchat.chunks.view_records import AttentionReport, Comparison
+from kvchat.cli import cacheviews, jsonout, views
+from kvchat.cli.results import (
+    ChunkChange,
+    ChunkHeat,
+    ChunkList,
+    HelpView,
+    Notice,
+    OutputList,
+    Quit,
+    SettingsView,
+)
 from kvchat.cli.softwrap import SoftWrap
 from kvchat.engine.records import PrefillProgress
 
@@ -206,6 +217,14 @@ def _renderables(record: object) -> list[RenderableType]:
             return [views.fidelity_table(record)]
         case SettingsView():
             return [views.settings_table(record)]
+        case BlockMap():
+            return [cacheviews.BlocksView(record)]
+        case AttentionReport():
+            return [cacheviews.AttentionView(record)]
+        case Comparison():
+            return [cacheviews.CompareView(record)]
+        case ChunkHeat():
+            return [cacheviews.heat_view(record)]
         case HelpView():
             return [views.help_view(record)]
         case Notice(text=text):

@@ -1,0 +1,48 @@
+"""The argument handling of the cache views' commands, kept out of the shell's file. The modules that
+run the model are imported when a command runs, so that starting the CLI loads no torch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvchat.chunks.types import ChunkDetail, ReuseMode
+from kvchat.chunks.view_records import AttentionReport, Comparison
+from kvchat.cli.results import ChunkHeat
+from kvchat.errors import CommandError
+
+if TYPE_CHECKING:
+    from kvchat.chunks.context import ContextManager
+    from kvchat.engine.sampling import SamplingParams
+
+DEFAULT_MODES = (ReuseMode.EXACT, ReuseMode.REPOSITION, ReuseMode.REPAIR)
+
+
+def attention(ctx: ContextManager, output_number: int | None) -> AttentionReport:
+    from kvchat.chunks.attention import attention_map
+
+    return attention_map(ctx, output_number)
+
+
+def compare(ctx: ContextManager, arg: str, params: SamplingParams) -> Comparison:
+    names = arg.split()
+    known = [m.value for m in ReuseMode]
+    for name in names:
+        if name not in known:
+            raise CommandError(f"unknown mode {name!r}: choose from {', '.join(known)}")
+    modes = [ReuseMode(n) for n in names] if names else list(DEFAULT_MODES)
+    from kvchat.chunks.compare import compare_modes
+
+    return compare_modes(ctx, modes, params)
+
+
+def heat(ctx: ContextManager, detail: ChunkDetail) -> ChunkHeat:
+    from kvchat.chunks.attention import attention_map, token_pieces
+
+    report = attention_map(ctx)
+    weights = report.heat(detail.info.chunk_id)
+    if weights is None:
+        raise CommandError(
+            f"chunk {detail.info.number} is not in the context of the last answer "
+            f"(output {report.output_number})"
+        )
+    return ChunkHeat(detail, report.output_number, token_pieces(ctx.tokenizer, detail.token_ids), weights)
