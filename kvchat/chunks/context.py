@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Generator
 from pathlib import Path
 
-from kvchat.chunks import fidelity, persist
+from kvchat.chunks import describe, fidelity, persist
 from kvchat.chunks.compose import ComposedSequence, RepairPolicy, chunk_ranges
 from kvchat.chunks.inference import Answer, Inference, Setup, build
 from kvchat.chunks.registry import Chunk, ChunkRegistry
@@ -257,23 +257,9 @@ class ContextManager:
     # -- views -------------------------------------------------------------------------------------
 
     def info(self, chunk_id: str) -> ChunkInfo:
-        chunk = self.registry.chunks[chunk_id]
         placed = [c.chunk_id for c in self.context_chunks()]
-        span = chunk.span if chunk.span and chunk.span.is_valid(self.engine.blocks) else None
-        blocks = self.engine.blocks.blocks
-        return ChunkInfo(
-            number=chunk.number,
-            chunk_id=chunk.chunk_id,
-            role=chunk.role,
-            text=chunk.text,
-            num_tokens=len(chunk.token_ids),
-            num_blocks=len(span.block_ids) if span else 0,
-            num_refs=max((blocks[b].ref_count for b in span.block_ids), default=0) if span else 0,
-            place=placed.index(chunk_id) + 1 if chunk_id in placed else None,
-            pinned=bool(span and span.pinned),
-            output_number=chunk.output_number,
-            finish_reason=chunk.finish_reason,
-        )
+        place = placed.index(chunk_id) + 1 if chunk_id in placed else None
+        return describe.chunk_info(self.registry.chunks[chunk_id], self.engine.blocks, place)
 
     def chunks(self) -> list[ChunkInfo]:
         return [self.info(i) for i in self.registry.chunks]
@@ -287,35 +273,14 @@ class ContextManager:
     def chunk(self, ref: str) -> ChunkDetail:
         chunk = self.registry.find(ref)
         positions = next((range(s, e) for c, s, e in chunk_ranges(self.context_chunks()) if c is chunk), None)
-        span = chunk.span if chunk.span and chunk.span.is_valid(self.engine.blocks) else None
-        return ChunkDetail(
-            info=self.info(chunk.chunk_id),
-            token_ids=list(chunk.token_ids),
-            positions=positions,
-            kv_positions=range(span.start_pos, span.start_pos + span.num_tokens) if span else None,
-            block_ids=list(span.block_ids) if span else [],
-            had_think=chunk.had_think,
-            source=" ".join(chunk.source_ids) or None,
-        )
+        return describe.chunk_detail(self.info(chunk.chunk_id), chunk, self.engine.blocks, positions)
 
     def resolved_settings(self) -> dict[str, str]:
         """What the model settings resolved to: `{"model.dtype": "bf16", ...}` (`auto` made concrete)."""
         return describe_runtime(self.model_id, self.engine.dtype, self.engine.device)
 
     def stats(self) -> CacheStats:
-        blocks = self.engine.blocks
-        return CacheStats(
-            num_blocks=blocks.num_blocks,
-            num_used=blocks.num_used,
-            num_pinned=blocks.num_pinned,
-            num_cached=blocks.num_cached,
-            num_free=blocks.num_free - blocks.num_cached,
-            block_size=blocks.block_size,
-            bytes_total=blocks.num_blocks * self.engine.bytes_per_block,
-            bytes_per_block=self.engine.bytes_per_block,
-            hit_tokens=blocks.hit_tokens,
-            lookup_tokens=blocks.lookup_tokens,
-        )
+        return describe.cache_stats(self.engine.blocks, self.engine.bytes_per_block)
 
     # -- persistence -------------------------------------------------------------------------------
 

@@ -1,0 +1,58 @@
+"""The records that describe chunks and the cache to a user, read off the registry and the pool."""
+
+from __future__ import annotations
+
+from kvchat.chunks.registry import Chunk
+from kvchat.chunks.spans import KVSpan
+from kvchat.chunks.types import CacheStats, ChunkDetail, ChunkInfo
+from kvchat.engine.block_manager import BlockManager
+
+
+def kept_span(chunk: Chunk, blocks: BlockManager) -> KVSpan | None:
+    """The chunk's kept KV, unless its blocks were handed out again since."""
+    return chunk.span if chunk.span and chunk.span.is_valid(blocks) else None
+
+
+def chunk_info(chunk: Chunk, blocks: BlockManager, place: int | None) -> ChunkInfo:
+    span = kept_span(chunk, blocks)
+    return ChunkInfo(
+        number=chunk.number,
+        chunk_id=chunk.chunk_id,
+        role=chunk.role,
+        text=chunk.text,
+        num_tokens=len(chunk.token_ids),
+        num_blocks=len(span.block_ids) if span else 0,
+        num_refs=max((blocks.blocks[b].ref_count for b in span.block_ids), default=0) if span else 0,
+        place=place,
+        pinned=bool(span and span.pinned),
+        output_number=chunk.output_number,
+        finish_reason=chunk.finish_reason,
+    )
+
+
+def chunk_detail(info: ChunkInfo, chunk: Chunk, blocks: BlockManager, positions: range | None) -> ChunkDetail:
+    span = kept_span(chunk, blocks)
+    return ChunkDetail(
+        info=info,
+        token_ids=list(chunk.token_ids),
+        positions=positions,
+        kv_positions=range(span.start_pos, span.start_pos + span.num_tokens) if span else None,
+        block_ids=list(span.block_ids) if span else [],
+        had_think=chunk.had_think,
+        source=" ".join(chunk.source_ids) or None,
+    )
+
+
+def cache_stats(blocks: BlockManager, bytes_per_block: int) -> CacheStats:
+    return CacheStats(
+        num_blocks=blocks.num_blocks,
+        num_used=blocks.num_used,
+        num_pinned=blocks.num_pinned,
+        num_cached=blocks.num_cached,
+        num_free=blocks.num_free - blocks.num_cached,
+        block_size=blocks.block_size,
+        bytes_total=blocks.num_blocks * bytes_per_block,
+        bytes_per_block=bytes_per_block,
+        hit_tokens=blocks.hit_tokens,
+        lookup_tokens=blocks.lookup_tokens,
+    )
