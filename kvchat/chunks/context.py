@@ -24,6 +24,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
+from kvchat.engine.speculate import Speculation
 from kvchat.errors import CacheFullError, ChunkError
 
 InferenceStream = Generator[PrefillProgress | StepEvent | InferenceResult, None, None]
@@ -50,6 +51,7 @@ class ContextManager:
         fingerprint: str = "",
         mode: ReuseMode = ReuseMode.EXACT,
         repair: RepairPolicy | None = None,
+        speculation: Speculation | None = None,
     ):
         self.engine, self.format, self.tokenizer = engine, chat_format, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids) | (
@@ -58,6 +60,7 @@ class ContextManager:
         self.model_id, self.fingerprint = model_id, fingerprint
         self.mode = ReuseMode(mode)
         self.repair = repair or RepairPolicy()
+        self.speculation = speculation or Speculation()
         self.registry = ChunkRegistry()
         self.system: str | None = None  # chunk ids
         self.middle: list[str] = []

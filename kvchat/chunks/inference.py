@@ -74,7 +74,7 @@ def run(
     last: GenerationStep | None = None
     finish = "cancelled"
     text: list[str] = []
-    steps = generate(cm.engine, seq, params, cm.eos_token_ids, detok)
+    steps = generate(cm.engine, seq, params, cm.eos_token_ids, detok, cm.speculation)
     try:
         for step in steps:
             if isinstance(step, PrefillProgress):
@@ -111,6 +111,8 @@ def run(
         decode_tok_s=stats.decode_tok_s if stats else 0.0,
         chunks=composed.reports(),
         had_think=result.had_think if result else False,
+        drafted_tokens=stats.drafted_tokens if stats else 0,
+        accepted_tokens=stats.accepted_tokens if stats else 0,
     )
 
 

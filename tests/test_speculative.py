@@ -1,0 +1,195 @@
+"""Speculative decoding: the same tokens (greedy) or the same distribution (sampled) as the plain loop,
+and the same block manager state afterwards, whatever the drafts and wherever generation stops."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvchat.engine.detokenizer import StreamDetokenizer
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import GenerationStep, generate
+from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.speculate import DraftBudget, PromptLookup, Speculation
+from tests.tiny_models import make_tiny_model
+
+
+class CharTokenizer:
+    """Each id decodes to its own short text, so stop strings can name tokens."""
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
+
+class ScriptedDrafter:
+    """Proposes a known answer's continuation, with wrong tokens mixed in at random."""
+
+    def __init__(self, prompt_len: int, answer: list[int], wrong_share: float, seed: int = 0):
+        self.prompt_len, self.answer, self.wrong_share = prompt_len, answer, wrong_share
+        self.rng = random.Random(seed)
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        done = len(token_ids) - self.prompt_len
+        guess = self.answer[done : done + max_tokens]
+        return [t + 1 if self.rng.random() < self.wrong_share else t for t in guess]
+
+    def close(self) -> None:
+        pass
+
+
+class Scripted:
+    """A stand-in for Speculation that hands out a given drafter."""
+
+    def __init__(self, drafter, draft_max: int = 6):
+        self.drafter, self.draft_max = drafter, draft_max
+
+    def make_drafter(self):
+        return self.drafter
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama", vocab_size=64)
+
+
+def repeating_prompt(seed: int = 0, vocab: int = 64) -> list[int]:
+    rng = random.Random(seed)
+    passage = [rng.randrange(vocab) for _ in range(40)]
+    return passage + [rng.randrange(vocab) for _ in range(5)] + passage[:12]
+
+
+def block_state(engine: Engine) -> tuple:
+    b = engine.blocks
+    blocks = [(x.ref_count, x.pin_count, x.parent_hash, tuple(x.token_ids), x.hash) for x in b.blocks]
+    return blocks, dict(b._by_hash), {k: set(v) for k, v in b._children.items()}, list(b._unreferenced)
+
+
+def run(model, prompt, speculation=None, params=SamplingParams(max_tokens=60), eos=frozenset()):
+    engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+    seq = engine.start(prompt)
+    steps = list(generate(engine, seq, params, eos, StreamDetokenizer(CharTokenizer()), speculation))
+    engine.blocks.check_invariants()
+    state = (seq.token_ids, seq.num_computed, seq.num_recorded, seq.block_table, block_state(engine))
+    engine.free(seq)
+    return steps, state, block_state(engine)
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    lookup = PromptLookup(max_ngram=3)
+    assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 2) == [7, 5]  # the later copy of 2 3
+    assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3, 9, 2, 3], 3) == [9, 2, 3]  # grown: re-indexed
+    assert PromptLookup().propose([5, 2, 3, 8, 1, 2, 3, 7, 5, 2, 3], 2) == [8, 1]  # 5 2 3 beats a later 2 3
+    assert PromptLookup().propose([4, 5, 6], 4) == []
+    assert PromptLookup().propose([4, 5, 4], 4) == [5, 4]  # a copy may run into the end
+
+
+def test_budget_grows_shrinks_and_pauses():
+    budget = DraftBudget(8)
+    assert budget.next_size() == 4
+    budget.update(4, 4)
+    assert budget.next_size() == 6
+    budget.update(6, 2)
+    assert budget.next_size() == 3
+    for _ in range(5):
+        budget.update(budget.next_size() or 1, 0)
+    sizes = [budget.next_size() for _ in range(4)]
+    assert 0 in sizes  # paused
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_prompt_lookup_greedy_equals_plain(kind):
+    model = make_tiny_model(kind, vocab_size=64, seed=1)
+    prompt = repeating_prompt(1)
+    plain = run(model, prompt)
+    spec = run(model, prompt, Speculation("prompt-lookup", draft_max=6))
+    assert [s.token_id for s in spec[0]] == [s.token_id for s in plain[0]]
+    assert "".join(s.text for s in spec[0]) == "".join(s.text for s in plain[0])
+    assert spec[1:] == plain[1:]
+    assert spec[0][-1].stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("wrong_share", [0.0, 0.2, 0.5])
+def test_scripted_drafts_greedy_equal_plain_and_leave_the_same_blocks(model, wrong_share):
+    prompt = repeating_prompt(2)
+    plain = run(model, prompt)
+    answer = [s.token_id for s in plain[0]]
+    spec = run(model, prompt, Scripted(ScriptedDrafter(len(prompt), answer, wrong_share)))
+    assert [s.token_id for s in spec[0]] == answer
+    assert spec[1:] == plain[1:]
+    stats = spec[0][-1].stats
+    assert stats.accepted_tokens > 0
+    assert (stats.accepted_tokens == stats.drafted_tokens) == (wrong_share == 0.0)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 7, 13, 30])
+def test_eos_stop_string_and_max_tokens_cut_an_accepted_run(model, cut):
+    prompt = repeating_prompt(3)
+    answer = [s.token_id for s in run(model, prompt)[0]]
+    drafter = lambda: Scripted(ScriptedDrafter(len(prompt), answer, 0.0), draft_max=8)  # noqa: E731
+    cases = [
+        (SamplingParams(max_tokens=cut), frozenset()),
+        (SamplingParams(max_tokens=60, stop=(f"<{answer[cut - 1]}>",)), frozenset()),
+        (SamplingParams(max_tokens=60), frozenset({answer[cut - 1]})),
+    ]
+    for params, eos in cases:
+        plain = run(model, prompt, params=params, eos=eos)
+        spec = run(model, prompt, drafter(), params=params, eos=eos)
+        assert [(s.token_id, s.text, s.finish_reason) for s in spec[0]] == [
+            (s.token_id, s.text, s.finish_reason) for s in plain[0]
+        ]
+        assert spec[1:] == plain[1:]
+
+
+def test_closing_inside_an_accepted_run_keeps_what_was_yielded(model):
+    prompt = repeating_prompt(4)
+    answer = [s.token_id for s in run(model, prompt)[0]]
+    engines = []
+    for speculation in (None, Scripted(ScriptedDrafter(len(prompt), answer, 0.0), draft_max=8)):
+        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+        seq = engine.start(prompt)
+        detokenizer = StreamDetokenizer(CharTokenizer())
+        steps = generate(engine, seq, SamplingParams(max_tokens=60), frozenset(), detokenizer, speculation)
+        got = [next(steps).token_id for _ in range(11)]  # the second run of drafts is partly yielded
+        steps.close()
+        assert got == answer[:11] and seq.token_ids == prompt + got
+        assert seq.num_computed == seq.num_tokens - 1
+        engine.blocks.check_invariants()
+        engines.append((seq.num_recorded, seq.block_table, block_state(engine)))
+    assert engines[0] == engines[1]
+
+
+def test_interrupt_during_verification_leaves_the_sequence_as_yielded(model, monkeypatch):
+    prompt = repeating_prompt(5)
+    answer = [s.token_id for s in run(model, prompt)[0]]
+    engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+    seq = engine.start(prompt)
+    free_before = engine.blocks.num_free
+    compute = engine.compute
+
+    def interrupted(seq, all_logits=False, until=None, record=True):
+        if all_logits:
+            compute(seq, all_logits, until, record)  # the forward runs, then Ctrl-C lands
+            raise KeyboardInterrupt
+        return compute(seq, all_logits, until, record)
+
+    monkeypatch.setattr(engine, "compute", interrupted)
+    speculation = Scripted(ScriptedDrafter(len(prompt), answer, 0.0))
+    got: list[GenerationStep] = []
+    with pytest.raises(KeyboardInterrupt):
+        for step in generate(
+            engine,
+            seq,
+            SamplingParams(max_tokens=60),
+            frozenset(),
+            StreamDetokenizer(CharTokenizer()),
+            speculation,
+        ):
+            got.append(step)
+    assert [s.token_id for s in got] == answer[:1]
+    assert seq.token_ids == prompt + answer[:1] and seq.num_computed == len(prompt)
+    engine.blocks.check_invariants()
+    assert len(seq.block_table) == seq.num_blocks_needed
+    assert engine.blocks.num_free == free_before - (seq.num_blocks_needed - -(-len(prompt) // 4))
+    assert max(seq.num_recorded, 0) <= seq.num_computed
