@@ -7,11 +7,12 @@ import random
 
 import pytest
 import torch
+from scipy.stats import chi2_contingency, chisquare
 
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationStep, generate
-from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.sampling import SamplingParams, make_sampler
 from kvchat.engine.speculate import DraftBudget, PromptLookup, Speculation
 from tests.tiny_models import make_tiny_model
 
@@ -49,6 +50,15 @@ class Scripted:
         return self.drafter
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny forwards run many times faster on one thread than on two busy ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     return make_tiny_model("llama", vocab_size=64)
@@ -66,7 +76,8 @@ def block_state(engine: Engine) -> tuple:
     return blocks, dict(b._by_hash), {k: set(v) for k, v in b._children.items()}, list(b._unreferenced)
 
 
-def run(model, prompt, speculation=None, params=SamplingParams(max_tokens=60), eos=frozenset()):
+def run(model, prompt, speculation=None, params=None, eos=frozenset()):
+    params = params or SamplingParams(max_tokens=60)
     engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
     seq = engine.start(prompt)
     steps = list(generate(engine, seq, params, eos, StreamDetokenizer(CharTokenizer()), speculation))
@@ -193,3 +204,63 @@ def test_interrupt_during_verification_leaves_the_sequence_as_yielded(model, mon
     assert len(seq.block_table) == seq.num_blocks_needed
     assert engine.blocks.num_free == free_before - (seq.num_blocks_needed - -(-len(prompt) // 4))
     assert max(seq.num_recorded, 0) <= seq.num_computed
+
+
+SAMPLED = [
+    SamplingParams(temperature=0.8, top_k=4),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.5),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLED)
+@pytest.mark.parametrize("draft", [0, 2, 5])  # the likeliest token, a middling one, one filtered out
+def test_verify_draws_exactly_what_the_sampler_draws(params, draft):
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -3.0])  # (V,)
+    seen = torch.tensor([1, 3])  # (T,)
+    sampler = make_sampler(params)
+    expected = sampler.process(logits, seen).softmax(-1)  # (V,)
+    draws = 4000
+    counts = torch.zeros(6)
+    for seed in range(draws):
+        sampler.generator.manual_seed(seed)
+        counts[sampler.verify(logits, seen, draft)] += 1
+    kept = expected > 0
+    assert counts[~kept].sum() == 0
+    assert chisquare(counts[kept].numpy(), expected[kept].numpy() * draws).pvalue > 1e-3
+
+
+class ConstantDrafter:
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        return [3] * max_tokens
+
+    def close(self) -> None:
+        pass
+
+
+def test_sampled_generation_has_the_plain_distribution():
+    model = make_tiny_model("llama", vocab_size=8, seed=3)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(40.0)  # peaked next-token distributions, not near uniform
+    prompt = [1, 2, 3, 4, 5]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=4, seed=seed) for seed in range(600)]
+    tables = []
+    for speculation in (None, Scripted(ConstantDrafter(), draft_max=3)):
+        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+        counts = torch.zeros(3, 8 * 8)
+        for p in params:
+            seq = engine.start(prompt)
+            ids = [
+                s.token_id
+                for s in generate(
+                    engine, seq, p, frozenset(), StreamDetokenizer(CharTokenizer()), speculation
+                )
+            ]
+            engine.free(seq)
+            for i in range(3):
+                counts[i, ids[i] * 8 + ids[i + 1]] += 1  # pairs of consecutive tokens
+        tables.append(counts)
+    for i in range(3):
+        table = torch.stack([tables[0][i], tables[1][i]])  # (2, 64)
+        table = table[:, table.sum(0) > 0]
+        assert chi2_contingency(table.numpy()).pvalue > 1e-3
