@@ -22,6 +22,7 @@ DEFAULT_FILE = CONFIGS_DIR / "default.toml"
 
 DTYPES = ("auto", "bf16", "fp32", "fp16")
 REUSE_MODES = ("exact", "reposition", "repair")
+SPECULATE_MODES = ("off", "prompt-lookup", "draft")
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 _TRUE_WORDS = ("true", "on", "yes", "1")
 _FALSE_WORDS = ("false", "off", "no", "0")
@@ -35,6 +36,7 @@ class ModelSettings:
     dtype: str = "auto"
     device: str = "auto"
     threads: int = 0
+    draft_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,14 @@ class ReuseSettings:
 
 
 @dataclass(frozen=True)
+class DecodeSettings:
+    """Speculative decoding: drafting tokens that one forward then verifies."""
+
+    speculate: str = "prompt-lookup"
+    draft_max: int = 8
+
+
+@dataclass(frozen=True)
 class UiSettings:
     """How the REPL shows things."""
 
@@ -75,6 +85,7 @@ class Settings:
     cache: CacheSettings = CacheSettings()
     sampling: SamplingParams = SamplingParams()
     reuse: ReuseSettings = ReuseSettings()
+    decode: DecodeSettings = DecodeSettings()
     ui: UiSettings = UiSettings()
 
 
@@ -86,6 +97,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.dtype": (lambda v: v in DTYPES, f"must be one of {', '.join(DTYPES)}"),
     "model.device": (lambda v: _DEVICE_PATTERN.fullmatch(v) is not None, "must be auto, cpu, cuda or cuda:N"),
     "model.threads": (lambda v: v >= 0, "must be >= 0 (0 picks automatically)"),
+    "model.draft_model": (lambda v: v is None or bool(v.strip()), "must not be empty"),
     "cache.kv_memory_mb": (lambda v: v >= 1, "must be >= 1"),
     "cache.block_size": (lambda v: 1 <= v <= 1024, "must be in 1..1024"),
     "cache.prefill_chunk": (lambda v: v >= 1, "must be >= 1"),
@@ -101,6 +113,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reuse.repair_share": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "reuse.repair_min_tokens": (lambda v: v >= 0, "must be >= 0"),
     "reuse.verify_tokens": (lambda v: v >= 1, "must be >= 1"),
+    "decode.speculate": (lambda v: v in SPECULATE_MODES, f"must be one of {', '.join(SPECULATE_MODES)}"),
+    "decode.draft_max": (lambda v: 1 <= v <= 64, "must be in 1..64"),
 }
 
 Layer = dict[str, dict[str, object]]

@@ -46,7 +46,7 @@ class Scripted:
     def __init__(self, drafter, draft_max: int = 6):
         self.drafter, self.draft_max = drafter, draft_max
 
-    def make_drafter(self):
+    def make_drafter(self, vocab_size):
         return self.drafter
 
 

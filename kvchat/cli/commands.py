@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from kvchat.config import Settings
 
 # Settings the session reads as it goes; the others are read once, when kvchat starts.
-LIVE_SETTINGS = ("sampling.", "reuse.mode", "reuse.verify_tokens", "ui.show_thinking")
+LIVE_SETTINGS = ("sampling.", "decode.", "reuse.mode", "reuse.verify_tokens", "ui.show_thinking")
 
 
 class Shell:
@@ -131,6 +131,9 @@ class Shell:
         new_value = setting_values(settings)[key]
         if key == "reuse.mode":
             self.ctx.mode = ReuseMode(new_value)
+        if key.startswith("decode."):
+            decode = settings.decode
+            self.ctx.speculation = self.ctx.speculation.with_settings(decode.speculate, decode.draft_max)
         self.settings = settings
         later = "" if key.startswith(LIVE_SETTINGS) else " (takes effect when kvchat starts again)"
         return Notice(f"{key} = {new_value}{later}", {"key": key, "value": new_value})

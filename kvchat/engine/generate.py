@@ -98,7 +98,7 @@ def generate(
     stops = StopStrings(params.stop)
     prompt_tokens, reused = seq.num_tokens, seq.num_computed
     seen = _Seen(seq.token_ids, engine.device) if params.repetition_penalty != 1.0 else None
-    drafter = speculation.make_drafter() if speculation else None
+    drafter = speculation.make_drafter(engine.model.config.vocab_size) if speculation else None
     budget = DraftBudget(speculation.draft_max) if drafter and speculation else None
     t0 = time.perf_counter()
     try:

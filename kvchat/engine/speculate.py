@@ -6,13 +6,13 @@ the ones the sampler accepts. Pure Python over ints, except the draft model (whi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
+
+from kvchat.errors import DraftModelError
 
 if TYPE_CHECKING:
     from kvchat.engine.engine import Engine
-
-SPECULATE_MODES = ("off", "prompt-lookup", "draft")
 
 
 class Drafter(Protocol):
@@ -28,14 +28,24 @@ class Drafter(Protocol):
 
 @dataclass(frozen=True)
 class Speculation:
-    """How an inference drafts: `mode` one of SPECULATE_MODES, at most `draft_max` tokens per step;
+    """How an inference drafts: `mode` off, prompt-lookup or draft, at most `draft_max` tokens per step;
     mode "draft" drafts with `draft_engine`'s model, which shares the main model's tokenizer."""
 
     mode: str = "off"
     draft_max: int = 8
     draft_engine: Engine | None = None
 
-    def make_drafter(self) -> Drafter | None:
+    def __post_init__(self) -> None:
+        if self.mode == "draft" and self.draft_engine is None:
+            raise DraftModelError(
+                "speculate = draft needs a draft model: set model.draft_model (--draft-model)"
+            )
+
+    def with_settings(self, mode: str, draft_max: int) -> Speculation:
+        return replace(self, mode=mode, draft_max=draft_max)
+
+    def make_drafter(self, vocab_size: int) -> Drafter | None:
+        """A drafter for one generation by a model with `vocab_size` token ids."""
         if self.mode == "off" or self.draft_max < 1:
             return None
         if self.mode == "prompt-lookup":
@@ -43,7 +53,7 @@ class Speculation:
         assert self.mode == "draft" and self.draft_engine is not None, "mode draft needs a draft engine"
         from kvchat.engine.draft_model import DraftModel  # torch only where a draft model runs
 
-        return DraftModel(self.draft_engine)
+        return DraftModel(self.draft_engine, vocab_size)
 
 
 class PromptLookup:
