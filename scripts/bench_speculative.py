@@ -34,7 +34,7 @@ ANSWER = (
     "cup, pour the water over them just off the boil, and let it steep for three to five minutes. Strain "
     "it into a cup, and add milk or lemon if you like. Black teas take hotter water than green teas do."
 )
-CODE = '''def summarize(values):
+CODE = """def summarize(values):
     total = 0
     count = 0
     for x in values:
@@ -44,13 +44,13 @@ CODE = '''def summarize(values):
         count += 1
     mean = total / count if count else 0.0
     return {"total": total, "count": count, "mean": mean}
-'''
+"""
 PROMPTS = {
     "copy": {
         "repeat a passage": f"Repeat the following passage word for word.\n\n{PASSAGE}",
-        "quote and explain": f"{PASSAGE}\n\nQuote the first two sentences of this passage, then explain them.",
+        "quote and explain": f"{PASSAGE}\n\nQuote the first two sentences, then explain them.",
         "rewrite an answer": f"Here is an earlier answer:\n\n{ANSWER}\n\nRewrite it with numbered steps.",
-        "edit code": f"```python\n{CODE}```\n\nRename the variable `x` to `value` and show the whole function.",
+        "edit code": f"```python\n{CODE}```\n\nRename the variable `x` to `value`; show the whole function.",
     },
     "free": {
         "story": "Write a short story about a fox who learns to sail.",
@@ -110,7 +110,10 @@ def main() -> None:
     if drafts is not None:
         variants["draft"] = Speculation("draft", args.draft_max, drafts)
     print(f"model={folder} dtype={args.dtype} threads={args.threads} tokens={args.tokens} x{args.repeats}")
-    print("| set | prompt | variant | median tok/s | vs off (median of paired ratios) | accepted | same text |")
+    header = (
+        "| set | prompt | variant | median tok/s | vs off (median of paired ratios) | accepted | same text |"
+    )
+    print(header)
     print("|---|---|---|---:|---:|---:|---|")
     summary: dict[tuple[str, str], list[float]] = {}
     for kind, prompts in PROMPTS.items():
@@ -120,7 +123,7 @@ def main() -> None:
             prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
             runs = {v: runner(model, tokenizer, prompt, args.tokens, s) for v, s in variants.items()}
             results: dict[str, list[tuple[float, int, int, str]]] = {v: [] for v in runs}
-            for v, run in runs.items():
+            for run in runs.values():
                 run()  # warm-up, untimed
             for _ in range(args.repeats):  # interleaved, so the machine's drift falls on every variant alike
                 for v, run in runs.items():
@@ -133,7 +136,8 @@ def main() -> None:
                 share = f"{accepted / drafted:.0%} of {drafted}" if drafted else "-"
                 same = all(r[3] == base[0][3] for r in rs)
                 med = statistics.median(r[0] for r in rs)
-                print(f"| {kind} | {name} | {v} | {med:.1f} | {ratio:.2f}x | {share} | {'yes' if same else 'NO'} |")
+                same_text = "yes" if same else "NO"
+                print(f"| {kind} | {name} | {v} | {med:.1f} | {ratio:.2f}x | {share} | {same_text} |")
     print()
     print("| set | variant | median over prompts of the paired ratio vs off |")
     print("|---|---|---:|")

@@ -59,9 +59,19 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def varied_model(kind: str = "llama", seed: int = 0):
+    """A tiny random model whose greedy answers vary: at init scale they repeat one token."""
+    model = make_tiny_model(kind, vocab_size=64, seed=seed)
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() > 1:
+                weight.mul_(10.0)
+    return model
+
+
 @pytest.fixture(scope="module")
 def model():
-    return make_tiny_model("llama", vocab_size=64)
+    return varied_model()
 
 
 def repeating_prompt(seed: int = 0, vocab: int = 64) -> list[int]:
@@ -76,9 +86,13 @@ def block_state(engine: Engine) -> tuple:
     return blocks, dict(b._by_hash), {k: set(v) for k, v in b._children.items()}, list(b._unreferenced)
 
 
-def run(model, prompt, speculation=None, params=None, eos=frozenset()):
+def run(model, prompt, speculation=None, params=None, eos=frozenset(), kv_memory=1 << 20, filler=None):
     params = params or SamplingParams(max_tokens=60)
-    engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+    engine = Engine(model, kv_memory_bytes=kv_memory, block_size=4)
+    if filler:  # leave every free block holding cached KV, so that taking one evicts it
+        held = engine.start(filler)
+        engine.compute(held)
+        engine.free(held)
     seq = engine.start(prompt)
     steps = list(generate(engine, seq, params, eos, StreamDetokenizer(CharTokenizer()), speculation))
     engine.blocks.check_invariants()
@@ -111,7 +125,7 @@ def test_budget_grows_shrinks_and_pauses():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_prompt_lookup_greedy_equals_plain(kind):
-    model = make_tiny_model(kind, vocab_size=64, seed=1)
+    model = varied_model(kind, seed=1)
     prompt = repeating_prompt(1)
     plain = run(model, prompt)
     spec = run(model, prompt, Speculation("prompt-lookup", draft_max=6))
@@ -132,6 +146,23 @@ def test_scripted_drafts_greedy_equal_plain_and_leave_the_same_blocks(model, wro
     stats = spec[0][-1].stats
     assert stats.accepted_tokens > 0
     assert (stats.accepted_tokens == stats.drafted_tokens) == (wrong_share == 0.0)
+
+
+@pytest.mark.parametrize("shift", [0, 1, 2, 3])  # the answer's end falls at each place in a block
+def test_drafts_evict_no_cached_block_a_plain_run_keeps(model, shift):
+    prompt = repeating_prompt(8)
+    filler = [(7 * i) % 64 for i in range(160)]  # 40 blocks: the whole pool
+    kv_memory = 40 * Engine(model, kv_memory_bytes=1 << 20, block_size=4).bytes_per_block
+    params = SamplingParams(max_tokens=50)
+    answer = [s.token_id for s in run(model, prompt, params=params)[0]]
+    cut = next(i for i in range(8 + shift, 50, 4) if answer[i] not in answer[:i])
+    eos = frozenset({answer[cut]})
+    plain = run(model, prompt, params=params, eos=eos, kv_memory=kv_memory, filler=filler)
+    drafter = ScriptedDrafter(len(prompt), answer, 0.0)  # drafts run on past the end of the answer
+    spec = run(model, prompt, Scripted(drafter, 8), params, eos, kv_memory=kv_memory, filler=filler)
+    assert [s.token_id for s in spec[0]] == answer[: cut + 1]
+    assert spec[1:] == plain[1:]
+    assert spec[0][-1].stats.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("cut", [1, 2, 7, 13, 30])

@@ -18,8 +18,7 @@ from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import Speculation
 from kvchat.errors import DraftModelError
 from kvchat.session import check_draft_vocabulary
-from tests.test_speculative import block_state, repeating_prompt, run
-from tests.tiny_models import make_tiny_model
+from tests.test_speculative import block_state, repeating_prompt, run, varied_model
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -32,8 +31,8 @@ def one_thread():
 
 @pytest.mark.parametrize("draft_seed", [0, 7])  # the target itself (all accepted), another model
 def test_draft_model_greedy_equals_plain(draft_seed):
-    target = make_tiny_model("llama", vocab_size=64, seed=0)
-    draft = make_tiny_model("qwen2", vocab_size=64, seed=draft_seed) if draft_seed else target
+    target = varied_model("llama", seed=0)
+    draft = varied_model("qwen2", seed=draft_seed) if draft_seed else target
     prompt = repeating_prompt(6)
     plain = run(target, prompt)
     draft_engine = Engine(draft, kv_memory_bytes=1 << 20, block_size=4)
@@ -49,10 +48,8 @@ def test_draft_model_greedy_equals_plain(draft_seed):
 
 
 def test_draft_model_reuses_its_cached_prefix():
-    target = make_tiny_model("llama", vocab_size=64, seed=0)
-    draft_engine = Engine(
-        make_tiny_model("llama", vocab_size=64, seed=0), kv_memory_bytes=1 << 20, block_size=4
-    )
+    target = varied_model("llama", seed=0)
+    draft_engine = Engine(varied_model("llama", seed=5), kv_memory_bytes=1 << 20, block_size=4)
     speculation = Speculation("draft", 4, draft_engine)
     prompt = repeating_prompt(7)
     run(target, prompt, speculation)

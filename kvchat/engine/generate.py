@@ -149,7 +149,8 @@ def generate(
                     return
             if seen is not None:
                 seen.add(run)
-            size = min(budget.next_size(), params.max_tokens - n - 1, _room(engine, seq)) if budget else 0
+            # Room for the drafts and the token sampled after them; no more than max_tokens.
+            size = min(budget.next_size(), params.max_tokens - n - 1, _room(engine, seq) - 1) if budget else 0
             drafts = drafter.propose(seq.token_ids, size) if drafter and size > 0 else []
             run = _advance(engine, seq, sampler, seen, drafts)
             if budget and drafts:
