@@ -295,3 +295,21 @@ def test_sampled_generation_has_the_plain_distribution():
         table = torch.stack([tables[0][i], tables[1][i]])  # (2, 64)
         table = table[:, table.sum(0) > 0]
         assert chi2_contingency(table.numpy()).pvalue > 1e-3
+
+
+def test_contiguous_engine_speculates_too(model):
+    prompt = repeating_prompt(9)
+    outputs = []
+    for speculation in (None, Scripted(ScriptedDrafter(len(prompt), [], 0.0))):
+        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4, paged=False)
+        seq = engine.start(prompt)
+        if speculation is not None:
+            speculation.drafter.answer = outputs[0]
+            speculation.drafter.wrong_share = 0.3
+        params = SamplingParams(max_tokens=40)
+        steps = list(
+            generate(engine, seq, params, frozenset(), StreamDetokenizer(CharTokenizer()), speculation)
+        )
+        outputs.append([s.token_id for s in steps])
+        assert seq.num_computed == seq.num_tokens - 1 and engine.workspace.length == seq.num_computed
+    assert outputs[1] == outputs[0]
