@@ -95,11 +95,11 @@ def generate(
     `speculation`, each forward also checks drafted tokens and may yield several tokens at once.
     """
     sampler = make_sampler(params, engine.device)
-    stops = StopStrings(params.stop)
+    ends = _Ends(params, eos_token_ids, detokenizer)
     prompt_tokens, reused = seq.num_tokens, seq.num_computed
     seen = _Seen(seq.token_ids, engine.device) if params.repetition_penalty != 1.0 else None
     drafter = speculation.make_drafter(engine.model.config.vocab_size) if speculation else None
-    budget = DraftBudget(speculation.draft_max) if drafter and speculation else None
+    budget = DraftBudget(speculation.draft_max if speculation else 0)
     t0 = time.perf_counter()
     try:
         while seq.num_tokens - seq.num_computed > engine.prefill_chunk:
@@ -110,39 +110,23 @@ def generate(
         run = [sampler.sample(logits, seen.ids if seen else None)]
         engine.extend(seq, run)
         ttft = time.perf_counter() - t0
-        t_step, decode_s, n, drafted, accepted = t0 + ttft, 0.0, 0, 0, 0
+        t_step, decode_s, n = t0 + ttft, 0.0, 0
         while True:
             for i, token in enumerate(run):
                 n += 1
-                finish = "stop" if token in eos_token_ids else None
-                text, thinking = detokenizer.add(token)
-                text, hit = stops.feed(text)
-                if hit:
-                    finish = "stop_string"
-                elif finish is None and n == params.max_tokens:
-                    finish = "length"
+                text, thinking, finish = ends.add(token, n)
+                num_kept = seq.num_tokens - (len(run) - 1 - i)  # the sequence up to this token
                 if finish is not None:
-                    _keep(engine, seq, seq.num_tokens - (len(run) - 1 - i))  # an accepted run ends here
-                    tail_text, tail_thinking = detokenizer.finish()
-                    if finish != "stop_string":
-                        text += stops.feed(tail_text)[0] + stops.flush()
-                    thinking += tail_thinking
+                    _keep(engine, seq, num_kept)  # an accepted run may go on past the end
                 decode_s += time.perf_counter() - t_step  # the consumer's time between steps is not counted
                 stats = GenerationStats(
-                    prompt_tokens,
-                    reused,
-                    prompt_tokens - reused,
-                    n,
-                    ttft,
-                    t_prefill,
-                    decode_s,
-                    drafted,
-                    accepted,
+                    *(prompt_tokens, reused, prompt_tokens - reused, n, ttft, t_prefill, decode_s),
+                    *(budget.num_drafted, budget.num_accepted),
                 )
                 try:
                     yield GenerationStep(token, text, thinking, finish, stats)
                 except BaseException:
-                    _keep(engine, seq, seq.num_tokens - (len(run) - 1 - i))  # what was yielded, no more
+                    _keep(engine, seq, num_kept)  # what was yielded, no more
                     raise
                 t_step = time.perf_counter()
                 if finish is not None:
@@ -150,15 +134,39 @@ def generate(
             if seen is not None:
                 seen.add(run)
             # Room for the drafts and the token sampled after them; no more than max_tokens.
-            size = min(budget.next_size(), params.max_tokens - n - 1, _room(engine, seq) - 1) if budget else 0
+            size = (
+                min(budget.next_size(), params.max_tokens - n - 1, _room(engine, seq) - 1) if drafter else 0
+            )
             drafts = drafter.propose(seq.token_ids, size) if drafter and size > 0 else []
             run = _advance(engine, seq, sampler, seen, drafts)
-            if budget and drafts:
-                budget.update(len(drafts), len(run) - 1)
-                drafted, accepted = drafted + len(drafts), accepted + len(run) - 1
+            budget.update(len(drafts), len(run) - 1 if drafts else 0)
     finally:
         if drafter:
             drafter.close()
+
+
+class _Ends:
+    """Turns each sampled token into final text and says whether it ends the answer, and why."""
+
+    def __init__(self, params: SamplingParams, eos_token_ids: frozenset[int], detokenizer: StreamDetokenizer):
+        self.max_tokens, self.eos_token_ids, self.detokenizer = params.max_tokens, eos_token_ids, detokenizer
+        self.stops = StopStrings(params.stop)
+
+    def add(self, token: int, num_generated: int) -> tuple[str, str, str | None]:
+        """(answer text, thinking text, finish reason or None) of the `num_generated`-th token."""
+        finish = "stop" if token in self.eos_token_ids else None
+        text, thinking = self.detokenizer.add(token)
+        text, hit = self.stops.feed(text)
+        if hit:
+            finish = "stop_string"
+        elif finish is None and num_generated == self.max_tokens:
+            finish = "length"
+        if finish is not None:
+            tail_text, tail_thinking = self.detokenizer.finish()
+            if finish != "stop_string":
+                text += self.stops.feed(tail_text)[0] + self.stops.flush()
+            thinking += tail_thinking
+        return text, thinking, finish
 
 
 class _Seen:

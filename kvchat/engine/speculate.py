@@ -93,10 +93,12 @@ class DraftBudget:
 
     def __init__(self, max_tokens: int, low_rate: float = 0.2, decay: float = 0.7):
         self.max_tokens, self.low_rate, self.decay = max_tokens, low_rate, decay
-        self.size = min(4, max_tokens)
+        self.size = min(4, max_tokens)  # 0 when drafting is off
         self.rate = 1.0  # moving average of the share of drafted tokens accepted
         self.paused = 0  # steps left without drafting
         self.pause_length = 4
+        self.num_drafted = 0
+        self.num_accepted = 0
 
     def next_size(self) -> int:
         if self.paused > 0:
@@ -107,6 +109,8 @@ class DraftBudget:
     def update(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:
             return
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
         if num_accepted == num_drafted:
             self.size = min(self.max_tokens, self.size + 2)
             self.pause_length = 4
