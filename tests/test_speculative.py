@@ -115,9 +115,11 @@ def test_budget_grows_shrinks_and_pauses():
     assert budget.next_size() == 4
     budget.update(4, 4)
     assert budget.next_size() == 6
-    budget.update(6, 2)
+    budget.update(6, 0)
     assert budget.next_size() == 3
-    for _ in range(5):
+    budget.update(3, 2)
+    assert budget.next_size() == 3
+    for _ in range(8):
         budget.update(budget.next_size() or 1, 0)
     sizes = [budget.next_size() for _ in range(4)]
     assert 0 in sizes  # paused
