@@ -12,7 +12,7 @@ from scipy.stats import chi2_contingency, chisquare
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationStep, generate
-from kvchat.engine.sampling import SamplingParams, make_sampler
+from kvchat.engine.sampling import Sampler, SamplingParams, make_sampler
 from kvchat.engine.speculate import DraftBudget, PromptLookup, Speculation
 from tests.tiny_models import make_tiny_model
 
@@ -204,21 +204,36 @@ def test_closing_inside_an_accepted_run_keeps_what_was_yielded(model):
     assert engines[0] == engines[1]
 
 
-def test_interrupt_during_verification_leaves_the_sequence_as_yielded(model, monkeypatch):
+@pytest.mark.parametrize("where", ["forward", "verify"])
+def test_interrupt_during_verification_leaves_the_sequence_as_yielded(model, monkeypatch, where):
     prompt = repeating_prompt(5)
     answer = [s.token_id for s in run(model, prompt)[0]]
+    plain = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+    plain_seq = plain.start(prompt)
+    steps = generate(
+        plain, plain_seq, SamplingParams(max_tokens=60), frozenset(), StreamDetokenizer(CharTokenizer())
+    )
+    next(steps)
+    steps.close()  # the plain run stopped after its first token
+
     engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
     seq = engine.start(prompt)
-    free_before = engine.blocks.num_free
-    compute = engine.compute
+    if where == "forward":
+        compute = engine.compute
 
-    def interrupted(seq, all_logits=False, until=None, record=True):
-        if all_logits:
-            compute(seq, all_logits, until, record)  # the forward runs, then Ctrl-C lands
+        def interrupted(seq, all_logits=False, until=None, record=True):
+            logits = compute(seq, all_logits, until, record)
+            if all_logits:
+                raise KeyboardInterrupt  # the forward ran, then Ctrl-C landed
+            return logits
+
+        monkeypatch.setattr(engine, "compute", interrupted)
+    else:
+
+        def verify(self, logits, seen_ids, draft_id):
             raise KeyboardInterrupt
-        return compute(seq, all_logits, until, record)
 
-    monkeypatch.setattr(engine, "compute", interrupted)
+        monkeypatch.setattr(Sampler, "verify", verify)
     speculation = Scripted(ScriptedDrafter(len(prompt), answer, 0.0))
     got: list[GenerationStep] = []
     with pytest.raises(KeyboardInterrupt):
@@ -232,11 +247,14 @@ def test_interrupt_during_verification_leaves_the_sequence_as_yielded(model, mon
         ):
             got.append(step)
     assert [s.token_id for s in got] == answer[:1]
-    assert seq.token_ids == prompt + answer[:1] and seq.num_computed == len(prompt)
+    assert seq.token_ids == plain_seq.token_ids == prompt + answer[:1]
+    assert (seq.num_computed, seq.num_recorded, seq.block_table) == (
+        plain_seq.num_computed,
+        plain_seq.num_recorded,
+        plain_seq.block_table,
+    )
     engine.blocks.check_invariants()
-    assert len(seq.block_table) == seq.num_blocks_needed
-    assert engine.blocks.num_free == free_before - (seq.num_blocks_needed - -(-len(prompt) // 4))
-    assert max(seq.num_recorded, 0) <= seq.num_computed
+    assert block_state(engine) == block_state(plain)
 
 
 SAMPLED = [

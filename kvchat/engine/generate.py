@@ -196,16 +196,16 @@ def _advance(
     try:
         engine.extend(seq, drafts)
         logits = engine.compute(seq, all_logits=True, record=False)  # (1 + k, V)
-    except BaseException:
+        tokens: list[int] = []
+        for i, draft in enumerate(drafts):
+            tokens.append(sampler.verify(logits[i], seen.with_drafts(drafts, i) if seen else None, draft))
+            if tokens[-1] != draft:
+                break
+        else:
+            tokens.append(sampler.sample(logits[-1], seen.with_drafts(drafts, len(drafts)) if seen else None))
+    except BaseException:  # Ctrl-C: back to the last token yielded, as if no draft had been made
         _keep(engine, seq, start)
         raise
-    tokens: list[int] = []
-    for i, draft in enumerate(drafts):
-        tokens.append(sampler.verify(logits[i], seen.with_drafts(drafts, i) if seen else None, draft))
-        if tokens[-1] != draft:
-            break
-    else:
-        tokens.append(sampler.sample(logits[-1], seen.with_drafts(drafts, len(drafts)) if seen else None))
     engine.truncate(seq, start + len(tokens) - 1)  # the rejected drafts' KV goes
     engine.extend(seq, tokens[-1:])
     return tokens
