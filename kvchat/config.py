@@ -62,7 +62,7 @@ class ReuseSettings:
 class DecodeSettings:
     """Speculative decoding: drafting tokens that one forward then verifies."""
 
-    speculate: str = "prompt-lookup"
+    speculate: str = "off"
     draft_max: int = 8
 
 

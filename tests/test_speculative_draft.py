@@ -149,3 +149,24 @@ def test_speculative_answers_equal_plain_through_the_context_manager(smollm2):
         results.append(result)
     assert results[1].token_ids == results[0].token_ids and results[1].text == results[0].text
     assert results[0].drafted_tokens == 0 and results[1].accepted_tokens > 0
+
+
+def test_speculation_settings_are_checked_and_set_live():
+    from kvchat.cli.runner import Status
+    from kvchat.config import load_settings, replace_setting
+    from kvchat.errors import ConfigError
+    from tests.fake_context import make_harness
+
+    assert (
+        load_settings(None, {"decode": {"speculate": "prompt-lookup", "draft_max": 4}}).decode.draft_max == 4
+    )
+    with pytest.raises(ConfigError):
+        replace_setting(load_settings(None, {}), "decode.speculate", "sometimes")
+    h = make_harness()
+    assert h.run("/set decode.speculate prompt-lookup") is Status.OK
+    assert h.ctx.speculation.mode == "prompt-lookup"
+    assert h.run("/set draft_max 3") is Status.OK
+    assert h.ctx.speculation.draft_max == 3
+    assert h.run("/set decode.speculate draft") is not Status.OK  # no draft model loaded
+    assert "draft model" in h.take()
+    assert h.ctx.speculation.mode == "prompt-lookup" and h.shell.settings.decode.speculate == "prompt-lookup"
