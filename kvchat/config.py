@@ -20,6 +20,7 @@ from kvchat.errors import ConfigError
 from kvchat.settings_schema import (
     TABLES,
     CacheSettings,
+    DecodeSettings,
     ModelSettings,
     ReuseSettings,
     SamplingParams,
@@ -34,6 +35,7 @@ from kvchat.settings_schema import (
 __all__ = [
     "TABLES",
     "CacheSettings",
+    "DecodeSettings",
     "ModelSettings",
     "ReuseSettings",
     "SamplingParams",

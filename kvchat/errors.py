@@ -27,3 +27,7 @@ class StateFileError(KvchatError):
 
 class CommandError(KvchatError):
     """A REPL command was malformed (unknown command, missing or bad argument)."""
+
+
+class DraftModelError(KvchatError):
+    """A draft model cannot draft for the main model (another vocabulary) or is missing."""

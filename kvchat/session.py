@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import ReuseMode
 from kvchat.config import Settings
 from kvchat.engine.engine import Engine
-from kvchat.models.loader import load_model
+from kvchat.engine.speculate import Speculation
+from kvchat.errors import DraftModelError
+from kvchat.models.loader import LoadedModel, load_model
 from kvchat.models.progress import ProgressCallback
 
 
 def open_session(settings: Settings, progress: ProgressCallback | None = None) -> ContextManager:
     """Load the model the settings name and build the paged cache and context manager over it."""
     loaded = load_model(settings.model, progress)
-    engine = Engine(
-        loaded.model,
-        kv_memory_bytes=settings.cache.kv_memory_mb << 20,
-        block_size=settings.cache.block_size,
-        prefill_chunk=settings.cache.prefill_chunk,
-    )
+    engine = make_engine(loaded, settings)
+    draft_engine = None
+    if settings.model.draft_model:
+        draft_settings = dataclasses.replace(settings.model, model=settings.model.draft_model)
+        draft = load_model(draft_settings, progress)
+        check_draft_vocabulary(loaded, draft)
+        draft_engine = make_engine(draft, settings)
     return ContextManager(
         engine,
         ChatFormat(loaded.tokenizer),
@@ -30,4 +35,23 @@ def open_session(settings: Settings, progress: ProgressCallback | None = None) -
         fingerprint=loaded.fingerprint,
         mode=ReuseMode(settings.reuse.mode),
         repair=RepairPolicy(settings.reuse.repair_share, settings.reuse.repair_min_tokens),
+        speculation=Speculation(settings.decode.speculate, settings.decode.draft_max, draft_engine),
     )
+
+
+def make_engine(loaded: LoadedModel, settings: Settings) -> Engine:
+    return Engine(
+        loaded.model,
+        kv_memory_bytes=settings.cache.kv_memory_mb << 20,
+        block_size=settings.cache.block_size,
+        prefill_chunk=settings.cache.prefill_chunk,
+    )
+
+
+def check_draft_vocabulary(main: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft model whose token ids mean other text than the main model's."""
+    if main.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise DraftModelError(
+            f"draft model {draft.model_id} has another vocabulary than {main.model_id} "
+            f"({len(draft.tokenizer)} vs {len(main.tokenizer)} tokens); pick one that shares its tokenizer"
+        )

@@ -95,6 +95,13 @@ class ModelSettings:
     threads: int = setting(
         0, "CPU threads for torch.", flag="--threads", range=Range(0), note="0 picks automatically"
     )
+    draft_model: str | None = setting(
+        None,
+        "A small model sharing the tokenizer that drafts tokens for decode.speculate = draft.",
+        flag="--draft-model",
+        pattern=r"(?s).*\S.*",
+        pattern_help="must not be empty",
+    )
 
 
 @dataclass(frozen=True)
@@ -179,6 +186,22 @@ class ReuseSettings:
 
 
 @dataclass(frozen=True)
+class DecodeSettings:
+    """Speculative decoding: tokens drafted, then checked by one forward."""
+
+    speculate: str = setting(
+        "off",
+        "Speculative decoding: off, prompt-lookup or draft.",
+        live=True,
+        flag="--speculate",
+        choices=("off", "prompt-lookup", "draft"),
+    )
+    draft_max: int = setting(
+        8, "Most tokens drafted per step.", live=True, flag="--draft-max", range=Range(1, 64)
+    )
+
+
+@dataclass(frozen=True)
 class UiSettings:
     """How the REPL shows things."""
 
@@ -197,6 +220,7 @@ class Settings:
     cache: CacheSettings = CacheSettings()
     sampling: SamplingParams = SamplingParams()
     reuse: ReuseSettings = ReuseSettings()
+    decode: DecodeSettings = DecodeSettings()
     ui: UiSettings = UiSettings()
 
 

@@ -33,6 +33,7 @@ from kvchat.cli.runner import Status, run_line
 from kvchat.cli.ui import UI
 from kvchat.config import load_settings
 from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.speculate import Speculation
 from kvchat.errors import ChunkError, StateFileError
 
 BLOCK_SIZE = 4
@@ -81,6 +82,7 @@ class FakeContextManager:
     def __init__(self, responses: list[str | Response] | None = None, model_id: str = "fake/model") -> None:
         self._model_id = model_id
         self.mode = ReuseMode.EXACT
+        self.speculation = Speculation()
         self.responses: list[Response] = []
         self.queue(*responses or [])
         self.params_seen: list[SamplingParams] = []

@@ -27,6 +27,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
+from kvchat.engine.speculate import Speculation
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
 from kvchat.interrupts import interrupts_ignored
 from kvchat.models.device import describe_runtime
@@ -55,6 +56,7 @@ class ContextManager:
         fingerprint: str = "",
         mode: ReuseMode = ReuseMode.EXACT,
         repair: RepairPolicy | None = None,
+        speculation: Speculation | None = None,
     ):
         self.engine, self.format, self.tokenizer = engine, chat_format, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids) | (
@@ -63,6 +65,7 @@ class ContextManager:
         self.model_id, self.fingerprint = model_id, fingerprint
         self.mode = ReuseMode(mode)
         self.repair = repair or RepairPolicy()
+        self.speculation = speculation or Speculation()
         self.registry = ChunkRegistry()
         self.system: str | None = None  # chunk ids
         self.middle: list[str] = []
@@ -187,7 +190,15 @@ class ContextManager:
 
     @property
     def setup(self) -> Setup:
-        return Setup(self.engine, self.format, self.tokenizer, self.eos_token_ids, self.mode, self.repair)
+        return Setup(
+            self.engine,
+            self.format,
+            self.tokenizer,
+            self.eos_token_ids,
+            self.mode,
+            self.repair,
+            self.speculation,
+        )
 
     def _build(self, chunks: list[Chunk], reserve_tokens: int) -> ComposedSequence:
         try:

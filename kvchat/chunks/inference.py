@@ -23,6 +23,7 @@ from kvchat.engine.generate import GenerationStep, PrefillProgress, generate
 from kvchat.engine.rope import rotary_inv_freq
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
+from kvchat.engine.speculate import Speculation
 from kvchat.errors import CacheFullError
 
 
@@ -36,6 +37,7 @@ class Setup:
     eos_token_ids: frozenset[int]
     mode: ReuseMode
     repair: RepairPolicy
+    speculation: Speculation = Speculation()
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,9 @@ class Inference:
             detok = StreamDetokenizer(
                 self.setup.tokenizer, think_ids=fmt.think_ids, skip_ids=self.setup.eos_token_ids
             )
-            steps = generate(self.setup.engine, seq, self.params, self.setup.eos_token_ids, detok)
+            steps = generate(
+                self.setup.engine, seq, self.params, self.setup.eos_token_ids, detok, self.setup.speculation
+            )
             try:
                 for step in steps:
                     if isinstance(step, PrefillProgress):
@@ -184,6 +188,8 @@ class Inference:
             decode_tok_s=stats.decode_tok_s if stats else 0.0,
             chunks=reports,
             had_think=output.had_think if output else False,
+            drafted_tokens=stats.drafted_tokens if stats else 0,
+            accepted_tokens=stats.accepted_tokens if stats else 0,
         )
 
     @property

@@ -86,6 +86,12 @@ class InferenceResult:
     decode_tok_s: float
     chunks: list[ChunkReport] = field(default_factory=list)
     had_think: bool = False
+    drafted_tokens: int = 0  # tokens proposed by speculative decoding
+    accepted_tokens: int = 0  # of those, the ones the model accepted
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
 @dataclass(frozen=True)

@@ -263,6 +263,9 @@ class Shell:
         new_value = setting_values(settings)[info.key]
         if info.key == "reuse.mode":
             self.ctx.mode = ReuseMode(new_value)
+        if info.table == "decode":
+            decode = settings.decode
+            self.ctx.speculation = self.ctx.speculation.with_settings(decode.speculate, decode.draft_max)
         self.settings = settings
         # Settings that are not live are read once, when kvchat starts.
         later = "" if info.spec.live else " (takes effect when kvchat starts again)"

@@ -33,7 +33,8 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
     - chat, infer: `output` (the text), `output_number`, `chunk_id`, `finish_reason` ("stop",
       "stop_string", "length", "cancelled"), `mode`, `prompt_tokens`, `reused_tokens`,
       `repositioned_tokens`, `computed_tokens`, `generated_tokens`, `ttft_s`, `prefill_tok_s`,
-      `decode_tok_s`, `had_think`, and `chunks`: one object per chunk of the context, with
+      `decode_tok_s`, `had_think`, `drafted_tokens` and `accepted_tokens` (speculative decoding),
+      and `chunks`: one object per chunk of the context, with
       `chunk_id`, `role`, `num_tokens`, `num_reused`, `num_repositioned`, `num_computed`, then one for
       the answer prompt (the template's assistant header) with `chunk_id` and `role` null; the rows
       add up to the totals.

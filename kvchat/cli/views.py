@@ -183,6 +183,10 @@ def inference_line(result: InferenceResult) -> Text:
         f"{result.decode_tok_s:.1f} tok/s",
         finish,
     ]
+    if result.drafted_tokens:
+        parts.insert(
+            3, f"drafts {result.acceptance:.0%} accepted ({result.accepted_tokens}/{result.drafted_tokens})"
+        )
     if result.output_number is not None:
         parts.append(f"output {result.output_number}")
     return Text(" · ".join(parts), style="warning" if result.finish_reason == "cancelled" else "muted")

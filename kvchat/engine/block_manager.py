@@ -8,6 +8,7 @@ approximate KV (repositioned chunks) are never recorded, so they can never be se
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -106,6 +107,12 @@ class BlockManager:
             block_ids.append(block_id)
         return block_ids
 
+    def num_free_empty(self, limit: int) -> int:
+        """How many of the next blocks `allocate` hands out (at most `limit`) hold no reusable KV, so that
+        taking them evicts nothing."""
+        ahead = itertools.islice(self._unreferenced, limit)
+        return sum(1 for _ in itertools.takewhile(lambda i: self.blocks[i].parent_hash is None, ahead))
+
     def acquire(self, block_id: int) -> None:
         """Take one more reference on a block (sharing it)."""
         block = self.blocks[block_id]
@@ -133,6 +140,22 @@ class BlockManager:
             yield
         finally:
             self.release(taken)
+
+    def discard(self, block_ids: list[int]) -> None:
+        """Give back private blocks whose KV is not wanted: unrecorded, they are the next handed out, in
+        the order given, so taking and discarding blocks leaves the free list as it was."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.pin_count == 0, f"block {block_id} is shared"
+            self._forget(block_id)
+            block.ref_count = 0
+            self._unreferenced[block_id] = None
+            self._unreferenced.move_to_end(block_id, last=False)
+
+    def unrecord(self, block_id: int) -> None:
+        """Declare that a block held by the caller no longer holds reusable KV."""
+        assert self.blocks[block_id].ref_count > 0
+        self._forget(block_id)
 
     def pin(self, block_ids: list[int]) -> None:
         """A reference that marks the blocks as kept on purpose (a retained chunk)."""

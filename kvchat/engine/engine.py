@@ -122,6 +122,33 @@ class Engine:
         if self.pool is not None and seq.num_blocks_needed > len(seq.block_table):
             seq.block_table += self.blocks.allocate(seq.num_blocks_needed - len(seq.block_table))
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop the tokens from `num_tokens` on, and their KV: blocks past the end go back unrecorded, a
+        block recorded with dropped tokens keeps only the kept ones, the workspace shortens with it.
+        The dropped positions must be private to the sequence (anything it computed itself is)."""
+        assert 0 <= num_tokens <= seq.num_tokens
+        bs = self.block_size
+        del seq.token_ids[num_tokens:]
+        del seq.block_hashes[num_tokens // bs :]
+        seq.num_computed = min(seq.num_computed, num_tokens)
+        if seq.num_exact is not None:
+            seq.num_exact = min(seq.num_exact, num_tokens)
+        ws = self.workspace
+        if ws.owner == (seq.seq_id, seq.kv_version):
+            ws.length = min(ws.length, seq.num_computed)
+        if self.pool is None:
+            return
+        dropped = seq.block_table[seq.num_blocks_needed :]
+        del seq.block_table[seq.num_blocks_needed :]
+        self.blocks.discard(dropped)
+        limit = min(seq.num_computed, seq.exact_limit)
+        if seq.num_recorded > limit:
+            first = limit // bs
+            for block_id in seq.block_table[first : -(-seq.num_recorded // bs)]:
+                self.blocks.unrecord(block_id)
+            seq.num_recorded = first * bs
+        self._record(seq)
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks; their exact KV stays findable until evicted."""
         if self.pool is not None:
@@ -133,20 +160,24 @@ class Engine:
     # -- running the model -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def compute(self, seq: Sequence, all_logits: bool = False, until: int | None = None) -> torch.Tensor:
+    def compute(
+        self, seq: Sequence, all_logits: bool = False, until: int | None = None, record: bool = True
+    ) -> torch.Tensor:
         """Run the model over the tokens without KV, up to `until` (default: all). Returns the last
-        computed token's logits (V,), or with `all_logits` those of every computed token (q, V)."""
+        computed token's logits (V,), or with `all_logits` those of every computed token (q, V).
+        Without `record` the new KV is not declared reusable (tokens that may be rolled back: the
+        next `truncate` records what stays)."""
         until = seq.num_tokens if until is None else until
         assert seq.num_computed < until <= seq.num_tokens, "nothing to compute"
         pieces = []
         while seq.num_computed < until:
             end = min(until, seq.num_computed + self.prefill_chunk)
-            logits = self._forward(seq, seq.num_computed, end, all_logits)
+            logits = self._forward(seq, seq.num_computed, end, all_logits, record)
             if all_logits:
                 pieces.append(logits)
         return torch.cat(pieces) if all_logits else logits[-1]
 
-    def _forward(self, seq: Sequence, start: int, end: int, all_logits: bool) -> torch.Tensor:
+    def _forward(self, seq: Sequence, start: int, end: int, all_logits: bool, record: bool) -> torch.Tensor:
         self._load_workspace(seq, start)
         input_ids = torch.tensor([seq.token_ids[start:end]], device=self.device)  # (1, q)
         position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, q)
@@ -161,7 +192,8 @@ class Engine:
         )
         seq.num_computed = end
         self.workspace.owner = (seq.seq_id, seq.kv_version)
-        self._record(seq)
+        if record:
+            self._record(seq)
         return out.logits[0]  # (q, V) or (1, V)
 
     def _load_workspace(self, seq: Sequence, start: int) -> None:

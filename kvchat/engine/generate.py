@@ -11,8 +11,9 @@ import torch
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.records import PrefillProgress
-from kvchat.engine.sampling import SamplingParams, make_sampler
+from kvchat.engine.sampling import Sampler, SamplingParams, make_sampler
 from kvchat.engine.sequence import Sequence
+from kvchat.engine.speculate import DraftBudget, Speculation
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class GenerationStats:
     ttft_s: float  # from the start of the prefill to the first sampled token
     prefill_s: float
     decode_s: float
+    drafted_tokens: int = 0  # tokens proposed by speculative drafting
+    accepted_tokens: int = 0  # drafted tokens the model accepted
 
     @property
     def prefill_tok_s(self) -> float:
@@ -76,49 +79,144 @@ def generate(
     params: SamplingParams,
     eos_token_ids: frozenset[int],
     detokenizer: StreamDetokenizer,
+    speculation: Speculation | None = None,
 ) -> Generator[PrefillProgress | GenerationStep, None, None]:
     """Sample up to `params.max_tokens` tokens after the sequence's tokens, appending them to it.
 
     The last sampled token is appended without its KV (nothing reads it unless the caller computes
-    it). Closing the generator stops it within one token; the sequence stays consistent.
+    it). Closing the generator stops it within one token; the sequence stays consistent. With
+    `speculation`, each forward also checks drafted tokens and may yield several tokens at once.
     """
     sampler = make_sampler(params, engine.device)
-    stops = StopStrings(params.stop)
+    ends = _Ends(params, eos_token_ids, detokenizer)
     prompt_tokens, reused = seq.num_tokens, seq.num_computed
-    use_seen = params.repetition_penalty != 1.0
-    seen = torch.tensor(seq.token_ids, device=engine.device) if use_seen else None  # (T,)
+    seen = _Seen(seq.token_ids, engine.device) if params.repetition_penalty != 1.0 else None
+    drafter = speculation.make_drafter(engine.model.config.vocab_size) if speculation else None
+    budget = DraftBudget(speculation.draft_max if speculation else 0)
     t0 = time.perf_counter()
-    while seq.num_tokens - seq.num_computed > engine.prefill_chunk:
-        engine.compute(seq, until=seq.num_computed + engine.prefill_chunk)
-        yield PrefillProgress(seq.num_computed - reused, prompt_tokens - reused)
-    logits = engine.compute(seq)  # (V,)
-    t_prefill = time.perf_counter() - t0
-    ttft = decode_s = 0.0
-    for n in range(1, params.max_tokens + 1):
-        t_step = time.perf_counter()
-        token = sampler.sample(logits, seen)
-        if n == 1:
-            ttft = time.perf_counter() - t0
-            t_step = t0 + ttft  # decode time starts after the first token
-        engine.extend(seq, [token])
-        finish = "stop" if token in eos_token_ids else None
-        text, thinking = detokenizer.add(token)
-        text, hit = stops.feed(text)
+    try:
+        while seq.num_tokens - seq.num_computed > engine.prefill_chunk:
+            engine.compute(seq, until=seq.num_computed + engine.prefill_chunk)
+            yield PrefillProgress(seq.num_computed - reused, prompt_tokens - reused)
+        logits = engine.compute(seq)  # (V,)
+        t_prefill = time.perf_counter() - t0
+        run = [sampler.sample(logits, seen.ids if seen else None)]
+        engine.extend(seq, run)
+        ttft = time.perf_counter() - t0
+        t_step, decode_s, n = t0 + ttft, 0.0, 0
+        while True:
+            for i, token in enumerate(run):
+                n += 1
+                text, thinking, finish = ends.add(token, n)
+                num_kept = seq.num_tokens - (len(run) - 1 - i)  # the sequence up to this token
+                if finish is not None:
+                    _keep(engine, seq, num_kept)  # an accepted run may go on past the end
+                decode_s += time.perf_counter() - t_step  # the consumer's time between steps is not counted
+                stats = GenerationStats(
+                    *(prompt_tokens, reused, prompt_tokens - reused, n, ttft, t_prefill, decode_s),
+                    *(budget.num_drafted, budget.num_accepted),
+                )
+                try:
+                    yield GenerationStep(token, text, thinking, finish, stats)
+                except BaseException:
+                    _keep(engine, seq, num_kept)  # what was yielded, no more
+                    raise
+                t_step = time.perf_counter()
+                if finish is not None:
+                    return
+            if seen is not None:
+                seen.add(run)
+            # Room for the drafts and the token sampled after them; no more than max_tokens.
+            size = (
+                min(budget.next_size(), params.max_tokens - n - 1, _room(engine, seq) - 1) if drafter else 0
+            )
+            drafts = drafter.propose(seq.token_ids, size) if drafter and size > 0 else []
+            run = _advance(engine, seq, sampler, seen, drafts)
+            budget.update(len(drafts), len(run) - 1 if drafts else 0)
+    finally:
+        if drafter:
+            drafter.close()
+
+
+class _Ends:
+    """Turns each sampled token into final text and says whether it ends the answer, and why."""
+
+    def __init__(self, params: SamplingParams, eos_token_ids: frozenset[int], detokenizer: StreamDetokenizer):
+        self.max_tokens, self.eos_token_ids, self.detokenizer = params.max_tokens, eos_token_ids, detokenizer
+        self.stops = StopStrings(params.stop)
+
+    def add(self, token: int, num_generated: int) -> tuple[str, str, str | None]:
+        """(answer text, thinking text, finish reason or None) of the `num_generated`-th token."""
+        finish = "stop" if token in self.eos_token_ids else None
+        text, thinking = self.detokenizer.add(token)
+        text, hit = self.stops.feed(text)
         if hit:
             finish = "stop_string"
-        elif finish is None and n == params.max_tokens:
+        elif finish is None and num_generated == self.max_tokens:
             finish = "length"
         if finish is not None:
-            tail_text, tail_thinking = detokenizer.finish()
+            tail_text, tail_thinking = self.detokenizer.finish()
             if finish != "stop_string":
-                text += stops.feed(tail_text)[0] + stops.flush()
+                text += self.stops.feed(tail_text)[0] + self.stops.flush()
             thinking += tail_thinking
+        return text, thinking, finish
+
+
+class _Seen:
+    """The ids the repetition penalty sees: the sequence so far."""
+
+    def __init__(self, token_ids: list[int], device: torch.device):
+        self.device = device
+        self.ids = torch.tensor(token_ids, device=device)  # (T,)
+
+    def add(self, token_ids: list[int]) -> None:
+        self.ids = torch.cat([self.ids, torch.tensor(token_ids, device=self.device)])  # (T + n,)
+
+    def with_drafts(self, drafts: list[int], num: int) -> torch.Tensor:
+        return torch.cat([self.ids, torch.tensor(drafts[:num], device=self.device, dtype=torch.long)])
+
+
+def _advance(
+    engine: Engine, seq: Sequence, sampler: Sampler, seen: _Seen | None, drafts: list[int]
+) -> list[int]:
+    """Compute the last token's KV together with `drafts` appended after it, in one forward; keep the
+    drafts the sampler accepts and append one token sampled after them. Returns the tokens appended."""
+    if not drafts:
+        token = sampler.sample(engine.compute(seq), seen.ids if seen else None)
+        engine.extend(seq, [token])
+        return [token]
+    start = seq.num_tokens  # the drafts' first position
+    try:
+        engine.extend(seq, drafts)
+        logits = engine.compute(seq, all_logits=True, record=False)  # (1 + k, V)
+        tokens: list[int] = []
+        for i, draft in enumerate(drafts):
+            tokens.append(sampler.verify(logits[i], seen.with_drafts(drafts, i) if seen else None, draft))
+            if tokens[-1] != draft:
+                break
         else:
-            if seen is not None:
-                seen = torch.cat([seen, torch.tensor([token], device=engine.device)])
-            logits = engine.compute(seq)
-        decode_s += time.perf_counter() - t_step  # the consumer's time between steps is not counted
-        stats = GenerationStats(prompt_tokens, reused, prompt_tokens - reused, n, ttft, t_prefill, decode_s)
-        yield GenerationStep(token, text, thinking, finish, stats)
-        if finish is not None:
-            return
+            tokens.append(sampler.sample(logits[-1], seen.with_drafts(drafts, len(drafts)) if seen else None))
+    except BaseException:  # Ctrl-C: back to the last token yielded, as if no draft had been made
+        _keep(engine, seq, start)
+        raise
+    engine.truncate(seq, start + len(tokens) - 1)  # the rejected drafts' KV goes
+    engine.extend(seq, tokens[-1:])
+    return tokens
+
+
+def _keep(engine: Engine, seq: Sequence, num_tokens: int) -> None:
+    """Cut the sequence to its first `num_tokens` tokens, the last of them without KV, as the plain
+    loop leaves it after sampling."""
+    if num_tokens < seq.num_tokens or seq.num_computed >= num_tokens:
+        last = seq.token_ids[num_tokens - 1]
+        engine.truncate(seq, num_tokens - 1)
+        engine.extend(seq, [last])
+
+
+def _room(engine: Engine, seq: Sequence) -> int:
+    """How many tokens the sequence can grow by without evicting cached KV to hold them."""
+    if engine.pool is None:
+        return engine.prefill_chunk
+    bs = engine.block_size
+    held = len(seq.block_table) * bs - seq.num_tokens
+    return held + bs * engine.blocks.num_free_empty(engine.prefill_chunk // bs + 1)

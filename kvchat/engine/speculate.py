@@ -1,0 +1,125 @@
+"""Speculative decoding's drafting stage: guesses of the next tokens, which the token loop verifies.
+
+A drafter proposes tokens after a sequence's tokens; `generate` checks them all in one forward and keeps
+the ones the sampler accepts. Pure Python over ints, except the draft model (which runs its own Engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
+
+from kvchat.errors import DraftModelError
+
+if TYPE_CHECKING:
+    from kvchat.engine.engine import Engine
+
+
+class Drafter(Protocol):
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` guesses of the tokens that follow `token_ids` (which only grows between
+        calls of one generation)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the drafter holds (called once, when its generation ends)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How an inference drafts: `mode` off, prompt-lookup or draft, at most `draft_max` tokens per step;
+    mode "draft" drafts with `draft_engine`'s model, which shares the main model's tokenizer."""
+
+    mode: str = "off"
+    draft_max: int = 8
+    draft_engine: Engine | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode == "draft" and self.draft_engine is None:
+            raise DraftModelError(
+                "speculate = draft needs a draft model: set model.draft_model (--draft-model)"
+            )
+
+    def with_settings(self, mode: str, draft_max: int) -> Speculation:
+        return replace(self, mode=mode, draft_max=draft_max)
+
+    def make_drafter(self, vocab_size: int) -> Drafter | None:
+        """A drafter for one generation by a model with `vocab_size` token ids."""
+        if self.mode == "off" or self.draft_max < 1:
+            return None
+        if self.mode == "prompt-lookup":
+            return PromptLookup()
+        assert self.mode == "draft" and self.draft_engine is not None, "mode draft needs a draft engine"
+        from kvchat.engine.draft_model import DraftModel  # torch only where a draft model runs
+
+        return DraftModel(self.draft_engine, vocab_size)
+
+
+class PromptLookup:
+    """Drafts by copying: finds the latest earlier occurrence of the last n tokens (n from `max_ngram`
+    down to 1) and proposes what followed it. Matches the whole sequence: system, passages, outputs
+    reused as context, and the answer so far."""
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+        self.follower: dict[tuple[int, ...], int] = {}  # n-gram -> where what followed its latest copy starts
+        self.num_indexed = 0  # n-grams ending before this position are indexed
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        self._index(token_ids)
+        for n in range(min(self.max_ngram, len(token_ids) - 1), 0, -1):
+            start = self.follower.get(tuple(token_ids[-n:]))
+            if start is not None:
+                return token_ids[start : start + max_tokens]
+        return []
+
+    def _index(self, token_ids: list[int]) -> None:
+        # An n-gram ending at `end` is indexed once the token after it exists; later copies win.
+        assert len(token_ids) >= self.num_indexed
+        for end in range(self.num_indexed, len(token_ids) - 1):
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                self.follower[tuple(token_ids[end - n + 1 : end + 1])] = end + 1
+        self.num_indexed = max(self.num_indexed, len(token_ids) - 1)
+
+    def close(self) -> None:
+        pass
+
+
+class DraftBudget:
+    """How many tokens to draft next. Grows on full acceptance, halves on a rejection (never below just
+    past the accepted run), and pauses drafting (for longer each time) while acceptance stays low, so
+    that free writing, where guesses rarely hold, runs at the plain speed.
+
+    A forward over k more tokens costs ~1 + 0.05k of one token's on CPU; the constants were chosen by
+    replaying greedy answers of scripts/bench_speculative.py under that cost."""
+
+    def __init__(self, max_tokens: int, low_rate: float = 0.1, decay: float = 0.7):
+        self.max_tokens, self.low_rate, self.decay = max_tokens, low_rate, decay
+        self.size = min(4, max_tokens)  # 0 when drafting is off
+        self.rate = 1.0  # moving average of the share of drafted tokens accepted
+        self.paused = 0  # steps left without drafting
+        self.pause_length = 4
+        self.num_drafted = 0
+        self.num_accepted = 0
+
+    def next_size(self) -> int:
+        if self.paused > 0:
+            self.paused -= 1
+            return 0
+        return self.size
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        if num_accepted == num_drafted:
+            self.size = min(self.max_tokens, self.size + 2)
+            self.pause_length = 4
+        else:
+            self.size = max(1, num_accepted + 1, self.size // 2)
+        self.rate = self.decay * self.rate + (1 - self.decay) * num_accepted / num_drafted
+        if self.rate < self.low_rate:
+            self.paused, self.pause_length = self.pause_length, min(64, 2 * self.pause_length)
+            self.rate = 1.0 - self.decay  # one good step after the pause is enough to keep going

@@ -1,0 +1,335 @@
+"""Speculative decoding: the same tokens (greedy) or the same distribution (sampled) as the plain loop,
+and the same block manager state afterwards, whatever the drafts and wherever generation stops."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency, chisquare
+
+from kvchat.engine.detokenizer import StreamDetokenizer
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import GenerationStep, generate
+from kvchat.engine.sampling import Sampler, SamplingParams, make_sampler
+from kvchat.engine.speculate import DraftBudget, PromptLookup, Speculation
+from tests.tiny_models import make_tiny_model
+
+
+class CharTokenizer:
+    """Each id decodes to its own short text, so stop strings can name tokens."""
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
+
+class ScriptedDrafter:
+    """Proposes a known answer's continuation, with wrong tokens mixed in at random."""
+
+    def __init__(self, prompt_len: int, answer: list[int], wrong_share: float, seed: int = 0):
+        self.prompt_len, self.answer, self.wrong_share = prompt_len, answer, wrong_share
+        self.rng = random.Random(seed)
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        done = len(token_ids) - self.prompt_len
+        guess = self.answer[done : done + max_tokens]
+        return [t + 1 if self.rng.random() < self.wrong_share else t for t in guess]
+
+    def close(self) -> None:
+        pass
+
+
+class Scripted:
+    """A stand-in for Speculation that hands out a given drafter."""
+
+    def __init__(self, drafter, draft_max: int = 6):
+        self.drafter, self.draft_max = drafter, draft_max
+
+    def make_drafter(self, vocab_size):
+        return self.drafter
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny forwards run many times faster on one thread than on two busy ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def varied_model(kind: str = "llama", seed: int = 0):
+    """A tiny random model whose greedy answers vary: at init scale they repeat one token."""
+    model = make_tiny_model(kind, vocab_size=64, seed=seed)
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() > 1:
+                weight.mul_(10.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return varied_model()
+
+
+def repeating_prompt(seed: int = 0, vocab: int = 64) -> list[int]:
+    rng = random.Random(seed)
+    passage = [rng.randrange(vocab) for _ in range(40)]
+    return passage + [rng.randrange(vocab) for _ in range(5)] + passage[:12]
+
+
+def block_state(engine: Engine) -> tuple:
+    b = engine.blocks
+    blocks = [(x.ref_count, x.pin_count, x.parent_hash, tuple(x.token_ids), x.hash) for x in b.blocks]
+    return blocks, dict(b._by_hash), {k: set(v) for k, v in b._children.items()}, list(b._unreferenced)
+
+
+def run(model, prompt, speculation=None, params=None, eos=frozenset(), kv_memory=1 << 20, filler=None):
+    params = params or SamplingParams(max_tokens=60)
+    engine = Engine(model, kv_memory_bytes=kv_memory, block_size=4)
+    if filler:  # leave every free block holding cached KV, so that taking one evicts it
+        held = engine.start(filler)
+        engine.compute(held)
+        engine.free(held)
+    seq = engine.start(prompt)
+    steps = list(generate(engine, seq, params, eos, StreamDetokenizer(CharTokenizer()), speculation))
+    engine.blocks.check_invariants()
+    state = (seq.token_ids, seq.num_computed, seq.num_recorded, seq.block_table, block_state(engine))
+    engine.free(seq)
+    return steps, state, block_state(engine)
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    lookup = PromptLookup(max_ngram=3)
+    assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 2) == [7, 5]  # the later copy of 2 3
+    assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3, 9, 2, 3], 3) == [9, 2, 3]  # grown: re-indexed
+    assert PromptLookup().propose([5, 2, 3, 8, 1, 2, 3, 7, 5, 2, 3], 2) == [8, 1]  # 5 2 3 beats a later 2 3
+    assert PromptLookup().propose([4, 5, 6], 4) == []
+    assert PromptLookup().propose([4, 5, 4], 4) == [5, 4]  # a copy may run into the end
+
+
+def test_budget_grows_shrinks_and_pauses():
+    budget = DraftBudget(8)
+    assert budget.next_size() == 4
+    budget.update(4, 4)
+    assert budget.next_size() == 6
+    budget.update(6, 0)
+    assert budget.next_size() == 3
+    budget.update(3, 2)
+    assert budget.next_size() == 3
+    for _ in range(8):
+        budget.update(budget.next_size() or 1, 0)
+    sizes = [budget.next_size() for _ in range(4)]
+    assert 0 in sizes  # paused
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_prompt_lookup_greedy_equals_plain(kind):
+    model = varied_model(kind, seed=1)
+    prompt = repeating_prompt(1)
+    plain = run(model, prompt)
+    spec = run(model, prompt, Speculation("prompt-lookup", draft_max=6))
+    assert [s.token_id for s in spec[0]] == [s.token_id for s in plain[0]]
+    assert "".join(s.text for s in spec[0]) == "".join(s.text for s in plain[0])
+    assert spec[1:] == plain[1:]
+    assert spec[0][-1].stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("wrong_share", [0.0, 0.2, 0.5])
+def test_scripted_drafts_greedy_equal_plain_and_leave_the_same_blocks(model, wrong_share):
+    prompt = repeating_prompt(2)
+    plain = run(model, prompt)
+    answer = [s.token_id for s in plain[0]]
+    spec = run(model, prompt, Scripted(ScriptedDrafter(len(prompt), answer, wrong_share)))
+    assert [s.token_id for s in spec[0]] == answer
+    assert spec[1:] == plain[1:]
+    stats = spec[0][-1].stats
+    assert stats.accepted_tokens > 0
+    assert (stats.accepted_tokens == stats.drafted_tokens) == (wrong_share == 0.0)
+
+
+@pytest.mark.parametrize("shift", [0, 1, 2, 3])  # the answer's end falls at each place in a block
+def test_drafts_evict_no_cached_block_a_plain_run_keeps(model, shift):
+    prompt = repeating_prompt(8)
+    filler = [(7 * i) % 64 for i in range(160)]  # 40 blocks: the whole pool
+    kv_memory = 40 * Engine(model, kv_memory_bytes=1 << 20, block_size=4).bytes_per_block
+    params = SamplingParams(max_tokens=50)
+    answer = [s.token_id for s in run(model, prompt, params=params)[0]]
+    cut = next(i for i in range(8 + shift, 50, 4) if answer[i] not in answer[:i])
+    eos = frozenset({answer[cut]})
+    plain = run(model, prompt, params=params, eos=eos, kv_memory=kv_memory, filler=filler)
+    drafter = ScriptedDrafter(len(prompt), answer, 0.0)  # drafts run on past the end of the answer
+    spec = run(model, prompt, Scripted(drafter, 8), params, eos, kv_memory=kv_memory, filler=filler)
+    assert [s.token_id for s in spec[0]] == answer[: cut + 1]
+    assert spec[1:] == plain[1:]
+    assert spec[0][-1].stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("cut", [1, 2, 7, 13, 30])
+def test_eos_stop_string_and_max_tokens_cut_an_accepted_run(model, cut):
+    prompt = repeating_prompt(3)
+    answer = [s.token_id for s in run(model, prompt)[0]]
+    drafter = lambda: Scripted(ScriptedDrafter(len(prompt), answer, 0.0), draft_max=8)  # noqa: E731
+    cases = [
+        (SamplingParams(max_tokens=cut), frozenset()),
+        (SamplingParams(max_tokens=60, stop=(f"<{answer[cut - 1]}>",)), frozenset()),
+        (SamplingParams(max_tokens=60), frozenset({answer[cut - 1]})),
+    ]
+    for params, eos in cases:
+        plain = run(model, prompt, params=params, eos=eos)
+        spec = run(model, prompt, drafter(), params=params, eos=eos)
+        assert [(s.token_id, s.text, s.finish_reason) for s in spec[0]] == [
+            (s.token_id, s.text, s.finish_reason) for s in plain[0]
+        ]
+        assert spec[1:] == plain[1:]
+
+
+def test_closing_inside_an_accepted_run_keeps_what_was_yielded(model):
+    prompt = repeating_prompt(4)
+    answer = [s.token_id for s in run(model, prompt)[0]]
+    engines = []
+    for speculation in (None, Scripted(ScriptedDrafter(len(prompt), answer, 0.0), draft_max=8)):
+        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+        seq = engine.start(prompt)
+        detokenizer = StreamDetokenizer(CharTokenizer())
+        steps = generate(engine, seq, SamplingParams(max_tokens=60), frozenset(), detokenizer, speculation)
+        got = [next(steps).token_id for _ in range(11)]  # the second run of drafts is partly yielded
+        steps.close()
+        assert got == answer[:11] and seq.token_ids == prompt + got
+        assert seq.num_computed == seq.num_tokens - 1
+        engine.blocks.check_invariants()
+        engines.append((seq.num_recorded, seq.block_table, block_state(engine)))
+    assert engines[0] == engines[1]
+
+
+@pytest.mark.parametrize("where", ["forward", "verify"])
+def test_interrupt_during_verification_leaves_the_sequence_as_yielded(model, monkeypatch, where):
+    prompt = repeating_prompt(5)
+    answer = [s.token_id for s in run(model, prompt)[0]]
+    plain = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+    plain_seq = plain.start(prompt)
+    steps = generate(
+        plain, plain_seq, SamplingParams(max_tokens=60), frozenset(), StreamDetokenizer(CharTokenizer())
+    )
+    next(steps)
+    steps.close()  # the plain run stopped after its first token
+
+    engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+    seq = engine.start(prompt)
+    if where == "forward":
+        compute = engine.compute
+
+        def interrupted(seq, all_logits=False, until=None, record=True):
+            logits = compute(seq, all_logits, until, record)
+            if all_logits:
+                raise KeyboardInterrupt  # the forward ran, then Ctrl-C landed
+            return logits
+
+        monkeypatch.setattr(engine, "compute", interrupted)
+    else:
+
+        def verify(self, logits, seen_ids, draft_id):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Sampler, "verify", verify)
+    speculation = Scripted(ScriptedDrafter(len(prompt), answer, 0.0))
+    got: list[GenerationStep] = []
+    with pytest.raises(KeyboardInterrupt):
+        for step in generate(
+            engine,
+            seq,
+            SamplingParams(max_tokens=60),
+            frozenset(),
+            StreamDetokenizer(CharTokenizer()),
+            speculation,
+        ):
+            got.append(step)
+    assert [s.token_id for s in got] == answer[:1]
+    assert seq.token_ids == plain_seq.token_ids == prompt + answer[:1]
+    assert (seq.num_computed, seq.num_recorded, seq.block_table) == (
+        plain_seq.num_computed,
+        plain_seq.num_recorded,
+        plain_seq.block_table,
+    )
+    engine.blocks.check_invariants()
+    assert block_state(engine) == block_state(plain)
+
+
+SAMPLED = [
+    SamplingParams(temperature=0.8, top_k=4),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.5),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLED)
+@pytest.mark.parametrize("draft", [0, 2, 5])  # the likeliest token, a middling one, one filtered out
+def test_verify_draws_exactly_what_the_sampler_draws(params, draft):
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -3.0])  # (V,)
+    seen = torch.tensor([1, 3])  # (T,)
+    sampler = make_sampler(params)
+    expected = sampler.process(logits, seen).softmax(-1)  # (V,)
+    draws = 4000
+    counts = torch.zeros(6)
+    for seed in range(draws):
+        sampler.generator.manual_seed(seed)
+        counts[sampler.verify(logits, seen, draft)] += 1
+    kept = expected > 0
+    assert counts[~kept].sum() == 0
+    assert chisquare(counts[kept].numpy(), expected[kept].numpy() * draws).pvalue > 1e-3
+
+
+class ConstantDrafter:
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        return [3] * max_tokens
+
+    def close(self) -> None:
+        pass
+
+
+def test_sampled_generation_has_the_plain_distribution():
+    model = make_tiny_model("llama", vocab_size=8, seed=3)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(40.0)  # peaked next-token distributions, not near uniform
+    prompt = [1, 2, 3, 4, 5]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=4, seed=seed) for seed in range(600)]
+    tables = []
+    for speculation in (None, Scripted(ConstantDrafter(), draft_max=3)):
+        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+        counts = torch.zeros(3, 8 * 8)
+        for p in params:
+            seq = engine.start(prompt)
+            ids = [
+                s.token_id
+                for s in generate(
+                    engine, seq, p, frozenset(), StreamDetokenizer(CharTokenizer()), speculation
+                )
+            ]
+            engine.free(seq)
+            for i in range(3):
+                counts[i, ids[i] * 8 + ids[i + 1]] += 1  # pairs of consecutive tokens
+        tables.append(counts)
+    for i in range(3):
+        table = torch.stack([tables[0][i], tables[1][i]])  # (2, 64)
+        table = table[:, table.sum(0) > 0]
+        assert chi2_contingency(table.numpy()).pvalue > 1e-3
+
+
+def test_contiguous_engine_speculates_too(model):
+    prompt = repeating_prompt(9)
+    outputs = []
+    for speculation in (None, Scripted(ScriptedDrafter(len(prompt), [], 0.0))):
+        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4, paged=False)
+        seq = engine.start(prompt)
+        if speculation is not None:
+            speculation.drafter.answer = outputs[0]
+            speculation.drafter.wrong_share = 0.3
+        params = SamplingParams(max_tokens=40)
+        steps = list(
+            generate(engine, seq, params, frozenset(), StreamDetokenizer(CharTokenizer()), speculation)
+        )
+        outputs.append([s.token_id for s in steps])
+        assert seq.num_computed == seq.num_tokens - 1 and engine.workspace.length == seq.num_computed
+    assert outputs[1] == outputs[0]
