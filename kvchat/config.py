@@ -22,6 +22,7 @@ DEFAULT_FILE = CONFIGS_DIR / "default.toml"
 
 DTYPES = ("auto", "bf16", "fp32", "fp16")
 REUSE_MODES = ("exact", "reposition", "repair")
+REPAIR_STRATEGIES = ("prefix", "deviation")
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 _TRUE_WORDS = ("true", "on", "yes", "1")
 _FALSE_WORDS = ("false", "off", "no", "0")
@@ -53,6 +54,7 @@ class ReuseSettings:
     mode: str = "exact"
     repair_share: float = 0.15
     repair_min_tokens: int = 4
+    repair_strategy: str = "prefix"
     verify_tokens: int = 16
 
 
@@ -100,6 +102,10 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reuse.mode": (lambda v: v in REUSE_MODES, f"must be one of {', '.join(REUSE_MODES)}"),
     "reuse.repair_share": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "reuse.repair_min_tokens": (lambda v: v >= 0, "must be >= 0"),
+    "reuse.repair_strategy": (
+        lambda v: v in REPAIR_STRATEGIES,
+        f"must be one of {', '.join(REPAIR_STRATEGIES)}",
+    ),
     "reuse.verify_tokens": (lambda v: v >= 1, "must be >= 1"),
 }
 

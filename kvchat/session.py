@@ -5,8 +5,8 @@ from __future__ import annotations
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import ReuseMode
-from kvchat.config import Settings
+from kvchat.chunks.types import RepairStrategy, ReuseMode
+from kvchat.config import ReuseSettings, Settings
 from kvchat.engine.engine import Engine
 from kvchat.models.loader import load_model
 from kvchat.models.progress import ProgressCallback
@@ -29,5 +29,9 @@ def open_session(settings: Settings, progress: ProgressCallback | None = None) -
         model_id=loaded.model_id,
         fingerprint=loaded.fingerprint,
         mode=ReuseMode(settings.reuse.mode),
-        repair=RepairPolicy(settings.reuse.repair_share, settings.reuse.repair_min_tokens),
+        repair=repair_policy(settings.reuse),
     )
+
+
+def repair_policy(reuse: ReuseSettings) -> RepairPolicy:
+    return RepairPolicy(reuse.repair_share, reuse.repair_min_tokens, RepairStrategy(reuse.repair_strategy))

@@ -58,6 +58,12 @@ FLAGS = (
     Flag("max_tokens", int, "Most tokens one answer may have.", "sampling.max_tokens"),
     Flag("seed", int, "Random seed for sampling.", "sampling.seed"),
     Flag("reuse", str, "How cached chunks are reused: exact, reposition or repair.", "reuse.mode"),
+    Flag(
+        "repair_strategy",
+        str,
+        "Which moved tokens repair recomputes: prefix or deviation.",
+        "reuse.repair_strategy",
+    ),
     Flag("config", Path, "A TOML settings file instead of ~/.config/kvchat/config.toml."),
     Flag("json", bool, "Print one JSON object per command.", "ui.json"),
     Flag(

@@ -24,13 +24,14 @@ from kvchat.cli.results import (
 from kvchat.cli.settings import setting_key, setting_values
 from kvchat.config import replace_setting
 from kvchat.errors import CommandError
+from kvchat.session import repair_policy
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
     from kvchat.config import Settings
 
 # Settings the session reads as it goes; the others are read once, when kvchat starts.
-LIVE_SETTINGS = ("sampling.", "reuse.mode", "reuse.verify_tokens", "ui.show_thinking")
+LIVE_SETTINGS = ("sampling.", "reuse.mode", "reuse.repair_", "reuse.verify_tokens", "ui.show_thinking")
 
 
 class Shell:
@@ -131,6 +132,8 @@ class Shell:
         new_value = setting_values(settings)[key]
         if key == "reuse.mode":
             self.ctx.mode = ReuseMode(new_value)
+        if key.startswith("reuse.repair_"):
+            self.ctx.repair = repair_policy(settings.reuse)
         self.settings = settings
         later = "" if key.startswith(LIVE_SETTINGS) else " (takes effect when kvchat starts again)"
         return Notice(f"{key} = {new_value}{later}", {"key": key, "value": new_value})
