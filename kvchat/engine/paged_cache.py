@@ -57,7 +57,7 @@ class KVWorkspace:
 class _PagedLayer(CacheLayerMixin):
     is_sliding = False
 
-    def __init__(self, cache: ForwardCache, layer_idx: int):
+    def __init__(self, cache: ForwardCache | SelectiveCache, layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
         self.is_initialized = True
