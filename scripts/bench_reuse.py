@@ -4,7 +4,7 @@ compositions of eight passages (--sizes tokens in all) over the real model:
   reorder - the passages answered once, then asked about in another order;
   system  - the same passages, in the same order, under another system prompt;
   output  - an answer kept as an output, then reused after other passages than those it followed;
-  far     - the first passage moved to the end, after all the others.
+  far     - the first passage moved to the end, after all the others (another question each seed).
 
 For each composition and variant, a fresh session answers the first arrangement (so every chunk has KV
 kept), then the second: its time to first token, then `verify` against a full recompute: KL of the
@@ -12,7 +12,8 @@ next-token distribution, top-1 agreement over --verify-tokens teacher-forced pos
 leading greedy tokens that agree, and the share of moved tokens that repair recomputed.
 
 A variant is a mode, or a repair strategy with its share: exact, reposition, prefix:0.15,
-deviation:0.15 (deviation:0.15:2 probes at layer 2 instead of 1).
+deviation:0.15 (deviation:0.15:2 probes at layer 2 instead of 1; deviation:0.15:1:4 also recomputes
+each moved chunk's first 4 tokens, within the same share).
 
     python scripts/bench_reuse.py --dtype bf16 --threads 1 --sizes 1000 2000
 """
@@ -107,7 +108,8 @@ def output(cm: ContextManager, docs: list[str], seed: int) -> None:
 def far(cm: ContextManager, docs: list[str], seed: int) -> None:
     ids = first_pass(cm, docs)
     cm.middle = ids[1:] + ids[:1]
-    cm.set_query("What does the last passage describe?")
+    queries = ["What does the last passage describe?", "Which passages mention files, and how?"]
+    cm.set_query(queries[seed % 2])
 
 
 SETS = {"reorder": reorder, "system": system, "output": output, "far": far}
@@ -126,7 +128,8 @@ class Variant:
             return cls(text, ReuseMode(kind), RepairPolicy())
         share = float(rest[0]) if rest else 0.15
         probe = int(rest[1]) if len(rest) > 1 else 1
-        return cls(text, ReuseMode.REPAIR, RepairPolicy(share, 0, RepairStrategy(kind), probe))
+        heads = int(rest[2]) if len(rest) > 2 else 0
+        return cls(text, ReuseMode.REPAIR, RepairPolicy(share, heads, RepairStrategy(kind), probe))
 
 
 @dataclass(frozen=True)

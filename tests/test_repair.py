@@ -102,6 +102,18 @@ def test_partial_share_recomputes_that_share_and_reports_it(tokenizer):
         assert report.num_recomputed <= report.num_computed
 
 
+def test_each_moved_chunks_first_tokens_are_recomputed_within_the_share(tokenizer):
+    model = make_tiny_model("llama", vocab_size=49152, num_layers=4)
+    policy = RepairPolicy(share=0.25, min_tokens=3, strategy=RepairStrategy.DEVIATION)
+    cm = moved_context(model, tokenizer, ReuseMode.REPAIR, policy)
+    composed = build(cm, cm.context_chunks())
+    moved = sum(b - a for a, b in composed.repositioned)
+    assert len(composed.recomputed) == -(-moved // 4)
+    for a, _ in composed.repositioned:
+        assert {a, a + 1, a + 2} <= set(composed.recomputed)
+    cm.engine.free(composed.seq)
+
+
 def test_selective_kv_is_never_indexed_as_exact(tokenizer):
     model = make_tiny_model("llama", vocab_size=49152, num_layers=4)
     cm = moved_context(model, tokenizer, ReuseMode.REPAIR, deviation(0.5))

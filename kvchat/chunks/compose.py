@@ -30,8 +30,6 @@ class RepairPolicy:
     probe_layer: int = 1  # deviation: layers 0..probe_layer run over every moved token
 
     def num_recomputed(self, num_tokens: int) -> int:
-        if self.share == 0:
-            return 0
         return min(num_tokens, max(self.min_tokens, math.ceil(self.share * num_tokens)))
 
 
@@ -137,14 +135,19 @@ def _place(engine, seq, chunk, start, end, repair, inv_freq, composed: ComposedS
 
 
 def _recompute_deviating(engine: Engine, composed: ComposedSequence, repair: RepairPolicy) -> None:
-    """Recompute the share of moved tokens whose KV deviates most (and the tokens computed among them)."""
+    """Recompute `share` of the moved tokens: each moved chunk's first `min_tokens`, then those whose
+    KV deviates most. The tokens computed among the moved chunks are recomputed too."""
     seq = composed.seq
     start = composed.repositioned[0][0]
     moved = [False] * (seq.num_computed - start)
+    forced = [True] * (seq.num_computed - start)
     for a, b in composed.repositioned:
         moved[a - start : b - start] = [True] * (b - a)
-    count = repair.num_recomputed(sum(moved))
-    if count == 0:
+        head = min(b, a + repair.min_tokens)
+        forced[head - start : b - start] = [False] * (b - head)
+    budget = math.ceil(repair.share * sum(moved))
+    if budget == 0:
         return
-    forced = [not m for m in moved]
-    composed.recomputed += recompute_selected(engine, seq, start, forced, count, repair.probe_layer)
+    extra = max(0, budget - sum(f and m for f, m in zip(forced, moved, strict=True)))
+    done = recompute_selected(engine, seq, start, forced, extra, repair.probe_layer)
+    composed.recomputed += [p for p in done if moved[p - start]]

@@ -21,8 +21,8 @@ from kvchat.engine.sequence import Sequence
 def recompute_selected(
     engine: Engine, seq: Sequence, start: int, forced: list[bool], num_selected: int, probe_layer: int
 ) -> list[int]:
-    """Recompute positions start..seq.num_computed-1 as above; `forced[i]` marks position start + i as
-    always recomputed. Returns the positions chosen by deviation (forced ones excluded), sorted."""
+    """Recompute positions start..seq.num_computed-1 as above: those `forced` (index i is position
+    start + i) and the `num_selected` others that deviate most. Returns the recomputed positions."""
     end = seq.num_computed
     assert engine.pool is not None and len(forced) == end - start and 0 <= probe_layer < engine.num_layers
     assert seq.exact_limit <= start, "selective recompute never writes over exact KV"
@@ -53,7 +53,7 @@ def recompute_selected(
             score = cache.deviation.masked_fill(must, float("inf"))  # (n,)
             count = min(len(forced), num_selected + int(must.sum()))
             keep = score.topk(count).indices.sort().values  # (k,)
-            chosen = [start + i for i in keep.tolist() if not forced[i]]
+            chosen = [start + i for i in keep.tolist()]
             hidden, positions = hidden[:, keep], positions[keep]  # (1, k, d), (k,)
     ws.length, ws.owner = end, (seq.seq_id, seq.kv_version)
     return chosen
