@@ -153,3 +153,19 @@ def test_interrupted_recompute_gives_every_block_back(tokenizer, monkeypatch):
     result = list(cm.infer(ONE))[-1]  # still usable, and the recompute happens again
     assert sum(r.num_recomputed for r in result.chunks) > 0
     assert compose_module.recompute_selected is blend.recompute_selected
+
+
+def test_chunk_table_shows_recomputed_tokens_only_when_repair_recomputed_some():
+    from rich.console import Console
+
+    from kvchat.chunks.types import ChunkReport, Role
+    from kvchat.cli.views import chunk_reports_table
+
+    def render(reports):
+        console = Console(width=120, record=True)
+        console.print(chunk_reports_table(reports))
+        return console.export_text()
+
+    moved = ChunkReport("abc", Role.CONTEXT, 40, 0, 34, 6, 6)
+    assert "recomputed" in render([moved])
+    assert "recomputed" not in render([ChunkReport("abc", Role.CONTEXT, 40, 0, 40, 0)])
