@@ -149,7 +149,7 @@ class Row:
 
 def arranged(model, tokenizer, kind: str, seed: int, docs: list[str]) -> ContextManager:
     """A session that answered the first arrangement and holds the second, not yet answered."""
-    engine = Engine(model, kv_memory_bytes=256 << 20, block_size=16)
+    engine = Engine(model, kv_memory_bytes=512 << 20, block_size=16)
     cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id}))
     SETS[kind](cm, docs, seed)
     return cm
