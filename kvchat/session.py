@@ -7,8 +7,8 @@ import dataclasses
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import ReuseMode
-from kvchat.config import Settings
+from kvchat.chunks.types import RepairStrategy, ReuseMode
+from kvchat.config import ReuseSettings, Settings
 from kvchat.engine.engine import Engine
 from kvchat.engine.speculate import Speculation
 from kvchat.errors import DraftModelError
@@ -34,7 +34,7 @@ def open_session(settings: Settings, progress: ProgressCallback | None = None) -
         model_id=loaded.model_id,
         fingerprint=loaded.fingerprint,
         mode=ReuseMode(settings.reuse.mode),
-        repair=RepairPolicy(settings.reuse.repair_share, settings.reuse.repair_min_tokens),
+        repair=repair_policy(settings.reuse),
         speculation=Speculation(settings.decode.speculate, settings.decode.draft_max, draft_engine),
     )
 
@@ -55,3 +55,7 @@ def check_draft_vocabulary(main: LoadedModel, draft: LoadedModel) -> None:
             f"draft model {draft.model_id} has another vocabulary than {main.model_id} "
             f"({len(draft.tokenizer)} vs {len(main.tokenizer)} tokens); pick one that shares its tokenizer"
         )
+
+
+def repair_policy(reuse: ReuseSettings) -> RepairPolicy:
+    return RepairPolicy(reuse.repair_share, reuse.repair_min_tokens, RepairStrategy(reuse.repair_strategy))

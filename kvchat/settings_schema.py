@@ -179,9 +179,22 @@ class ReuseSettings:
         choices=("exact", "reposition", "repair"),
     )
     repair_share: float = setting(
-        0.15, "Share of a moved chunk's tokens recomputed in repair mode.", range=Range(0, 1)
+        0.15, "Share of a moved chunk's tokens recomputed in repair mode.", live=True, range=Range(0, 1)
     )
-    repair_min_tokens: int = setting(4, "Fewest tokens recomputed per chunk in repair mode.", range=Range(0))
+    repair_min_tokens: int = setting(
+        4,
+        "Fewest tokens recomputed per moved chunk in repair mode (its first ones).",
+        live=True,
+        range=Range(0),
+    )
+    repair_strategy: str = setting(
+        "prefix",
+        "Which moved tokens repair recomputes: prefix (each chunk's first ones) or deviation (those whose KV "
+        "deviates most, CacheBlend-style).",
+        live=True,
+        flag="--repair-strategy",
+        choices=("prefix", "deviation"),
+    )
     verify_tokens: int = setting(16, "Tokens /verify compares.", live=True, range=Range(1))
 
 

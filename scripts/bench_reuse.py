@@ -1,46 +1,43 @@
 """Time to first token and fidelity of the reuse modes, side by side in one run, on a fixed set of
-compositions over the real model:
+compositions of eight passages (--sizes tokens in all) over the real model:
 
-  reorder  - passages (about --context-tokens in all) answered once, then asked about in another order;
-  reuse    - an answer kept as an output, then reused as context after another system prompt.
+  reorder - the passages answered once, then asked about in another order;
+  system  - the same passages, in the same order, under another system prompt;
+  output  - an answer kept as an output, then reused after other passages than those it followed;
+  far     - the first passage moved to the end, after all the others (another question each seed).
 
-For each composition and mode, a fresh session answers the first arrangement (so every chunk has KV
+For each composition and variant, a fresh session answers the first arrangement (so every chunk has KV
 kept), then the second: its time to first token, then `verify` against a full recompute: KL of the
-next-token distribution, top-1 agreement over --verify-tokens teacher-forced positions, and the
-leading greedy tokens that agree.
+next-token distribution, top-1 agreement over --verify-tokens teacher-forced positions, the share of
+leading greedy tokens that agree, and the share of moved tokens that repair recomputed.
 
-    python scripts/bench_reuse.py --dtype bf16 --context-tokens 2000
+A variant is a mode, or a repair strategy with its share: exact, reposition, prefix:0.15,
+deviation:0.15 (deviation:0.15:2 probes at layer 2 instead of 1; deviation:0.15:1:4 also recomputes
+each moved chunk's first 4 tokens, within the same share).
+
+    python scripts/bench_reuse.py --dtype bf16 --threads 1 --sizes 1000 2000
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import importlib
 import inspect
-import random
 import statistics
+from dataclasses import dataclass
 
 from bench_common import load, model_parser
 
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import InferenceResult, ReuseMode
+from kvchat.chunks.types import FidelityReport, InferenceResult, RepairStrategy, ReuseMode
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
 
-SOURCES = [
-    "argparse",
-    "subprocess",
-    "logging",
-    "pickle",
-    "difflib",
-    "textwrap",
-    "unittest",
-    "collections",
-    "os",
-    "json",
-]
+SOURCES = ["argparse", "subprocess", "logging", "pickle", "difflib", "textwrap", "unittest", "collections"]
+SYSTEM = "You are a careful assistant. Answer from the passages."
 ONE_TOKEN = SamplingParams(max_tokens=1)
 
 
@@ -55,16 +52,15 @@ def _module_text(module) -> str:
 
 def passages(tokenizer, total_tokens: int, count: int = 8) -> list[str]:
     """Real English text: the documentation of standard-library modules, cut to equal token counts."""
-    texts = [_module_text(importlib.import_module(m)) for m in SOURCES]
     per = total_tokens // count
     out = []
-    for text in texts:
-        ids = tokenizer.encode(text)
+    for name in SOURCES:
+        ids = tokenizer.encode(_module_text(importlib.import_module(name)))
         if len(ids) >= per:
             out.append(tokenizer.decode(ids[:per]))
-        if len(out) == count:
-            return out
-    raise SystemExit(f"not enough text for {count} passages of {per} tokens")
+    if len(out) < count:
+        raise SystemExit(f"not enough text for {count} passages of {per} tokens")
+    return out[:count]
 
 
 def last(stream) -> InferenceResult:
@@ -72,81 +68,166 @@ def last(stream) -> InferenceResult:
     return result
 
 
-def reorder(cm: ContextManager, docs: list[str], seed: int) -> None:
-    cm.set_system("You are a careful assistant. Answer from the passages.")
+def first_pass(cm: ContextManager, docs: list[str], system: str = SYSTEM) -> list[str]:
+    cm.set_system(system)
     ids = [cm.add_context(d).chunk_id for d in docs]
     cm.set_query("Which module do the passages describe first?")
     last(cm.infer(ONE_TOKEN))
-    random.Random(seed).shuffle(ids)
-    cm.middle = ids
+    return ids
+
+
+def reorder(cm: ContextManager, docs: list[str], seed: int) -> None:
+    ids = first_pass(cm, docs)
+    cm.middle = ids[seed % 2 :: 2] + ids[1 - seed % 2 :: 2]  # every passage moves
     cm.set_query("Summarise the passage about logging in one sentence.")
 
 
-def reuse(cm: ContextManager, docs: list[str], seed: int) -> None:
-    cm.set_system("You are a helpful assistant.")
-    for d in docs:
+def system(cm: ContextManager, docs: list[str], seed: int) -> None:
+    first_pass(cm, docs)
+    cm.set_system(f"You are a reviewer (session {seed}). Be brief and precise, and cite the passages.")
+    cm.set_query("Summarise the passage about logging in one sentence.")
+
+
+def output(cm: ContextManager, docs: list[str], seed: int) -> None:
+    half = len(docs) // 2
+    cm.set_system(SYSTEM)
+    for d in docs[:half]:
         cm.add_context(d)
     cm.set_query("Explain what these passages describe.")
     last(cm.infer(SamplingParams(max_tokens=48)))
     cm.clear()
-    cm.set_system(f"You are a reviewer (session {seed}). Be brief and precise.")
-    cm.use_output(1)
-    for d in docs[seed % 3 :: 3]:
+    first_pass(cm, docs[half:])  # the other passages, kept at other positions
+    cm.clear()
+    cm.set_system(SYSTEM)
+    for d in docs[half + seed % 2 :] + docs[half : half + seed % 2]:
         cm.add_context(d)
+    cm.use_output(1)
     cm.set_query("Is the explanation above accurate?")
+
+
+def far(cm: ContextManager, docs: list[str], seed: int) -> None:
+    ids = first_pass(cm, docs)
+    cm.middle = ids[1:] + ids[:1]
+    queries = ["What does the last passage describe?", "Which passages mention files, and how?"]
+    cm.set_query(queries[seed % 2])
+
+
+SETS = {"reorder": reorder, "system": system, "output": output, "far": far}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    mode: ReuseMode
+    repair: RepairPolicy
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        kind, *rest = text.split(":")
+        if kind in ("exact", "reposition"):
+            return cls(text, ReuseMode(kind), RepairPolicy())
+        share = float(rest[0]) if rest else 0.15
+        probe = int(rest[1]) if len(rest) > 1 else 1
+        heads = int(rest[2]) if len(rest) > 2 else 0
+        return cls(text, ReuseMode.REPAIR, RepairPolicy(share, heads, RepairStrategy(kind), probe))
+
+
+@dataclass(frozen=True)
+class Row:
+    size: int
+    kind: str
+    variant: str
+    result: InferenceResult
+    report: FidelityReport
+
+    @property
+    def share(self) -> float:
+        recomputed = sum(c.num_recomputed for c in self.result.chunks)
+        moved = self.result.repositioned_tokens + recomputed
+        return recomputed / moved if moved else 0.0
+
+
+def arranged(model, tokenizer, kind: str, seed: int, docs: list[str]) -> ContextManager:
+    """A session that answered the first arrangement and holds the second, not yet answered."""
+    engine = Engine(model, kv_memory_bytes=512 << 20, block_size=16)
+    cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id}))
+    SETS[kind](cm, docs, seed)
+    return cm
+
+
+def run_one(base: ContextManager, size: int, kind: str, variant: Variant, verify: int) -> Row:
+    # Each variant starts from its own copy of the arranged session (the model is shared): what one
+    # variant computes and caches cannot serve another.
+    cm = copy.deepcopy(
+        base, memo={id(base.engine.model): base.engine.model, id(base.tokenizer): base.tokenizer}
+    )
+    cm.mode, cm.repair = variant.mode, variant.repair
+    row = Row(size, kind, variant.name, last(cm.infer(ONE_TOKEN)), cm.verify(verify))
+    del cm
+    gc.collect()  # the pool of the session just measured goes before the next one
+    return row
+
+
+def table(rows: list[Row], variants: list[str], title: str) -> None:
+    print(f"\n{title}:")
+    print("| variant | median TTFT | vs exact | median KL | top-1 | top-1 gap closed | greedy | recomputed |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    by = {v: [r for r in rows if r.variant == v] for v in variants}
+    exact_ttft = statistics.median(r.result.ttft_s for r in by["exact"]) if by.get("exact") else None
+    moved_top1 = (
+        statistics.mean(r.report.top1_rate for r in by["reposition"]) if by.get("reposition") else None
+    )
+    for name, data in by.items():
+        ttft = statistics.median(r.result.ttft_s for r in data)
+        top1 = statistics.mean(r.report.top1_rate for r in data)
+        speed = f"{exact_ttft / ttft:.1f}x" if exact_ttft else "-"
+        closed = "-"
+        if moved_top1 is not None and moved_top1 < 1 and name not in ("exact", "reposition"):
+            closed = f"{(top1 - moved_top1) / (1 - moved_top1):.0%}"
+        kl = statistics.median(r.report.kl_divergence for r in data)
+        greedy = statistics.mean(r.report.greedy_agree / r.report.greedy_tokens for r in data)
+        share = statistics.mean(r.share for r in data)
+        print(
+            f"| {name} | {ttft:.3f} s | {speed} | {kl:.4f} | {top1:.3f} | {closed} "
+            f"| {greedy:.2f} | {share:.0%} |"
+        )
 
 
 def main() -> None:
     parser = model_parser(__doc__)
-    parser.add_argument("--context-tokens", type=int, default=2000)
-    parser.add_argument("--verify-tokens", type=int, default=16)
-    parser.add_argument("--seeds", type=int, default=3, help="compositions of each kind")
-    parser.add_argument("--repair-share", type=float, default=0.15)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 2000], help="tokens of passages")
+    parser.add_argument("--sets", nargs="+", choices=list(SETS), default=list(SETS))
+    parser.add_argument("--verify-tokens", type=int, default=32)
+    parser.add_argument("--seeds", type=int, default=2, help="compositions of each kind")
     parser.add_argument(
-        "--modes", nargs="+", choices=[m.value for m in ReuseMode], default=[m.value for m in ReuseMode]
+        "--variants", nargs="+", default=["exact", "reposition", "prefix:0.15", "deviation:0.15"]
     )
     args = parser.parse_args()
     folder, model, tokenizer = load(args)
-    docs = passages(tokenizer, args.context_tokens)
-    modes = [ReuseMode(m) for m in args.modes]
-    rows: dict[ReuseMode, list] = {mode: [] for mode in modes}
-    for kind, setup in (("reorder", reorder), ("reuse", reuse)):
-        for seed in range(args.seeds):
-            for mode in modes:
-                engine = Engine(model, kv_memory_bytes=512 << 20, block_size=16)
-                cm = ContextManager(
-                    engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id})
-                )
-                cm.repair = RepairPolicy(share=args.repair_share, min_tokens=4)
-                setup(cm, docs, seed)
-                cm.mode = mode
-                result = last(cm.infer(ONE_TOKEN))
-                report = cm.verify(args.verify_tokens)
-                rows[mode].append((kind, result, report))
-                del cm, engine
-                gc.collect()  # the pool of the session just measured goes before the next one
-                print(
-                    f"{kind:<8} seed={seed} {mode.value:<10} ttft={result.ttft_s:7.3f}s "
-                    f"reused={result.reused_tokens:5d} moved={result.repositioned_tokens:5d} "
-                    f"computed={result.computed_tokens:5d} kl={report.kl_divergence:.4f} "
-                    f"top1={report.top1_rate:.2f} greedy={report.greedy_agree}/{report.greedy_tokens}",
-                    flush=True,
-                )
-    print(f"\nmodel={folder} dtype={args.dtype} threads={args.threads} context~{args.context_tokens} tokens")
-    base = ReuseMode.EXACT if ReuseMode.EXACT in rows else modes[0]
-    for kind in ("reorder", "reuse", "all"):
-        print(f"\n{kind}:")
-        print(f"| mode | median TTFT | vs {base.value} | median KL | top-1 agreement | greedy agreement |")
-        print("|---|---:|---:|---:|---:|---:|")
-        picked = {m: [(r, v) for k, r, v in data if kind in ("all", k)] for m, data in rows.items()}
-        base_ttft = statistics.median(r.ttft_s for r, _ in picked[base])
-        for mode, data in picked.items():
-            ttft = statistics.median(r.ttft_s for r, _ in data)
-            kl = statistics.median(v.kl_divergence for _, v in data)
-            top1 = statistics.mean(v.top1_rate for _, v in data)
-            greedy = statistics.mean(v.greedy_agree / v.greedy_tokens for _, v in data)
-            speedup = base_ttft / ttft
-            print(f"| {mode.value} | {ttft:.3f} s | {speedup:.1f}x | {kl:.4f} | {top1:.3f} | {greedy:.2f}")
+    variants = [Variant.parse(v) for v in args.variants]
+    names = [v.name for v in variants]
+    rows: list[Row] = []
+    for size in args.sizes:
+        docs = passages(tokenizer, size)
+        for kind in args.sets:
+            for seed in range(args.seeds):
+                base = arranged(model, tokenizer, kind, seed, docs)
+                for variant in variants:  # interleaved, so machine noise hits every variant alike
+                    row = run_one(base, size, kind, variant, args.verify_tokens)
+                    rows.append(row)
+                    r, v = row.result, row.report
+                    print(
+                        f"{size:5d} {kind:<8} seed={seed} {variant.name:<16} ttft={r.ttft_s:7.3f}s "
+                        f"prompt={r.prompt_tokens:5d} moved={r.repositioned_tokens:5d} share={row.share:.2f} "
+                        f"kl={v.kl_divergence:.4f} top1={v.top1_rate:.2f} "
+                        f"greedy={v.greedy_agree}/{v.greedy_tokens}",
+                        flush=True,
+                    )
+    print(f"\nmodel={folder} dtype={args.dtype} threads={args.threads} seeds={args.seeds}")
+    for size in args.sizes:
+        for kind in args.sets:
+            table([r for r in rows if r.size == size and r.kind == kind], names, f"{kind}, ~{size} tokens")
+        table([r for r in rows if r.size == size], names, f"all sets, ~{size} tokens")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kvchat.chunks.types import ReuseMode
+from kvchat.chunks.types import RepairStrategy, ReuseMode
 from kvchat.cli.arguments import MAX_FILE_BYTES
 from kvchat.cli.runner import Status
 from tests.fake_context import isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
@@ -98,6 +98,9 @@ def test_set_changes_the_next_inference_and_lists_settings():
     h.run("/set reuse.mode reposition")
     assert h.ctx.mode is ReuseMode.REPOSITION
     h.take()
+    h.run("/set reuse.repair_strategy deviation")
+    assert h.ctx.repair.strategy is RepairStrategy.DEVIATION
+    assert "takes effect" not in h.take()
     h.run("/set top_k 5")  # a key unique across tables needs no table
     assert "sampling.top_k = 5" in h.take()
     h.run("/set cache.block_size 32")

@@ -25,17 +25,20 @@ _COMMON = dict(
 KINDS = ("llama", "qwen2", "qwen3")
 
 
-def make_tiny_model(kind: str, vocab_size: int = 512, seed: int = 0, dtype=torch.float32):
+def make_tiny_model(
+    kind: str, vocab_size: int = 512, seed: int = 0, dtype=torch.float32, num_layers: int = 2
+):
     """A random model of the given family, in eval mode, with SDPA attention."""
     torch.manual_seed(seed)
+    common = {**_COMMON, "num_hidden_layers": num_layers}
     if kind == "llama":
-        config = LlamaConfig(vocab_size=vocab_size, **_COMMON)
+        config = LlamaConfig(vocab_size=vocab_size, **common)
         cls = LlamaForCausalLM
     elif kind == "qwen2":
-        config = Qwen2Config(vocab_size=vocab_size, **_COMMON)
+        config = Qwen2Config(vocab_size=vocab_size, **common)
         cls = Qwen2ForCausalLM
     elif kind == "qwen3":
-        config = Qwen3Config(vocab_size=vocab_size, head_dim=16, **_COMMON)
+        config = Qwen3Config(vocab_size=vocab_size, head_dim=16, **common)
         cls = Qwen3ForCausalLM
     else:
         raise ValueError(kind)

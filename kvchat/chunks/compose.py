@@ -3,18 +3,20 @@
 exact: share the longest cached exact prefix, compute the rest (equals a full recompute).
 reposition: beyond that prefix, a chunk whose KV is kept elsewhere is copied with its keys rotated to
   its new positions; it never attended to the chunks now before it, so the result is approximate.
-repair: as reposition, but the first tokens of each such chunk are recomputed in place, which
-  restores part of the attention across chunks.
+repair: as reposition, then part of the moved tokens are recomputed in place, which restores part of
+  the attention across chunks: each moved chunk's first tokens (strategy prefix), or the moved tokens
+  whose KV deviates most from a forward in the new context (strategy deviation, kvchat.engine.blend).
 The last chunks are left uncomputed: the token loop's prefill computes them and yields the logits.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvchat.chunks.registry import Chunk
-from kvchat.chunks.types import ChunkReport, ReuseMode
+from kvchat.chunks.types import ChunkReport, RepairStrategy, ReuseMode
+from kvchat.engine.blend import recompute_selected
 from kvchat.engine.engine import Engine
 from kvchat.engine.rope import rerotate_keys_
 from kvchat.engine.sequence import Sequence
@@ -24,6 +26,8 @@ from kvchat.engine.sequence import Sequence
 class RepairPolicy:
     share: float = 0.15
     min_tokens: int = 4
+    strategy: RepairStrategy = RepairStrategy.PREFIX
+    probe_layer: int = 1  # deviation: layers 0..probe_layer run over every moved token
 
     def num_recomputed(self, num_tokens: int) -> int:
         return min(num_tokens, max(self.min_tokens, math.ceil(self.share * num_tokens)))
@@ -36,10 +40,19 @@ class ComposedSequence:
     num_prompt: int  # the chunks' tokens and the generation prompt after them
     num_reused: int  # leading positions whose exact KV was shared or copied
     repositioned: list[tuple[int, int]]  # position ranges filled with moved KV
+    recomputed: list[int] = field(default_factory=list)  # positions of moved chunks repair computed
 
     @property
     def num_repositioned(self) -> int:
-        return sum(end - start for start, end in self.repositioned)
+        """Positions whose moved KV is kept (recomputed ones count as computed)."""
+        return self._num_moved(0, len(self.seq.token_ids))
+
+    def _num_moved(self, start: int, end: int) -> int:
+        moved = sum(max(0, min(end, b) - max(start, a)) for a, b in self.repositioned)
+        replaced = sum(
+            1 for p in self.recomputed if start <= p < end and any(a <= p < b for a, b in self.repositioned)
+        )
+        return moved - replaced
 
     def reports(self) -> list[ChunkReport]:
         """Per chunk, then the generation prompt: what was reused, moved and computed so far."""
@@ -49,9 +62,12 @@ class ComposedSequence:
         out = []
         for chunk_id, role, start, end in [*rows, (None, None, end_of_chunks, self.num_prompt)]:
             reused = max(0, min(end, self.num_reused) - start)
-            moved = sum(max(0, min(end, b) - max(start, a)) for a, b in self.repositioned)
+            moved = self._num_moved(start, end)
+            recomputed = sum(1 for p in self.recomputed if start <= p < end)
             done = max(0, min(end, computed_until) - start)
-            out.append(ChunkReport(chunk_id, role, end - start, reused, moved, done - reused - moved))
+            out.append(
+                ChunkReport(chunk_id, role, end - start, reused, moved, done - reused - moved, recomputed)
+            )
         return out
 
 
@@ -82,26 +98,29 @@ def compose(
             if chunk.span is not None and chunk.span.is_valid(engine.blocks) and end - start > 0
         ]
     held = sorted({b for chunk, _, _ in movable for b in chunk.span.block_ids})  # type: ignore[union-attr]
+    by_prefix = mode is ReuseMode.REPAIR and repair.strategy == RepairStrategy.PREFIX
     with engine.blocks.hold(held):  # keep the sources from being evicted by the allocation
         seq = engine.start(token_ids)
-        with engine.owning(seq):
+        with engine.owning(seq):  # interrupted or failed half-way: the sequence's blocks go back
             composed = ComposedSequence(seq, ranges, len(token_ids), seq.num_computed, [])
             for chunk, start, end in movable:
                 if end <= seq.num_computed or end >= len(token_ids):
                     continue  # already there, or the very last tokens (they must produce logits)
-                _place(engine, seq, chunk, start, end, mode, repair, inv_freq, composed)
+                _place(engine, seq, chunk, start, end, repair if by_prefix else None, inv_freq, composed)
+            if mode is ReuseMode.REPAIR and not by_prefix and composed.repositioned:
+                _recompute_deviating(engine, composed, repair)
     return composed
 
 
-def _place(engine, seq, chunk, start, end, mode, repair, inv_freq, composed: ComposedSequence) -> None:
+def _place(engine, seq, chunk, start, end, repair, inv_freq, composed: ComposedSequence) -> None:
+    """Move the chunk's KV to start..end; with a prefix `repair` policy, compute its first tokens."""
     span = chunk.span
     if seq.num_computed < start:
         engine.compute(seq, until=start)
     # A chunk may start inside the exact prefix (its first tokens matched): move only the rest.
-    first_moved = max(
-        seq.num_computed, start + (repair.num_recomputed(end - start) if mode is ReuseMode.REPAIR else 0)
-    )
+    first_moved = max(seq.num_computed, start + (repair.num_recomputed(end - start) if repair else 0))
     if first_moved > seq.num_computed:
+        composed.recomputed += range(seq.num_computed, first_moved)
         engine.compute(seq, until=first_moved)
     if first_moved == end:
         return
@@ -110,3 +129,22 @@ def _place(engine, seq, chunk, start, end, mode, repair, inv_freq, composed: Com
     keys = rerotate_keys_(keys, start - span.start_pos, inv_freq)
     engine.write_kv(seq, first_moved, keys, values)
     composed.repositioned.append((first_moved, end))
+
+
+def _recompute_deviating(engine: Engine, composed: ComposedSequence, repair: RepairPolicy) -> None:
+    """Recompute `share` of the moved tokens: each moved chunk's first `min_tokens`, then those whose
+    KV deviates most. The tokens computed among the moved chunks are recomputed too."""
+    seq = composed.seq
+    start = composed.repositioned[0][0]
+    moved = [False] * (seq.num_computed - start)
+    forced = [True] * (seq.num_computed - start)
+    for a, b in composed.repositioned:
+        moved[a - start : b - start] = [True] * (b - a)
+        head = min(b, a + repair.min_tokens)
+        forced[head - start : b - start] = [False] * (b - head)
+    budget = math.ceil(repair.share * sum(moved))
+    if budget == 0:
+        return
+    extra = max(0, budget - sum(f and m for f, m in zip(forced, moved, strict=True)))
+    done = recompute_selected(engine, seq, start, forced, extra, repair.probe_layer)
+    composed.recomputed += [p for p in done if moved[p - start]]

@@ -22,6 +22,14 @@ class ReuseMode(StrEnum):
     REPAIR = "repair"
 
 
+class RepairStrategy(StrEnum):
+    """Which moved tokens repair recomputes: each moved chunk's first ones (EPIC), or the ones whose KV
+    deviates most from a forward in the new context (CacheBlend)."""
+
+    PREFIX = "prefix"
+    DEVIATION = "deviation"
+
+
 @dataclass(frozen=True)
 class ChunkInfo:
     """One registered chunk as the user sees it."""
@@ -55,6 +63,7 @@ class ChunkReport:
     num_reused: int  # KV used as is (exact prefix hit)
     num_repositioned: int  # KV re-rotated to new positions
     num_computed: int
+    num_recomputed: int = 0  # of those computed, tokens whose moved KV repair replaced
 
 
 @dataclass(frozen=True)

@@ -263,9 +263,10 @@ class Shell:
         new_value = setting_values(settings)[info.key]
         if info.key == "reuse.mode":
             self.ctx.mode = ReuseMode(new_value)
-        if info.table == "decode":
-            decode = settings.decode
-            self.ctx.speculation = self.ctx.speculation.with_settings(decode.speculate, decode.draft_max)
+        if info.key.startswith("reuse.repair_"):
+            from kvchat.session import repair_policy  # torch: imported once a model runs
+
+            self.ctx.repair = repair_policy(settings.reuse)
         self.settings = settings
         # Settings that are not live are read once, when kvchat starts.
         later = "" if info.spec.live else " (takes effect when kvchat starts again)"

@@ -34,10 +34,10 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
       "stop_string", "length", "cancelled"), `mode`, `prompt_tokens`, `reused_tokens`,
       `repositioned_tokens`, `computed_tokens`, `generated_tokens`, `ttft_s`, `prefill_tok_s`,
       `decode_tok_s`, `had_think`, `drafted_tokens` and `accepted_tokens` (speculative decoding),
-      and `chunks`: one object per chunk of the context, with
-      `chunk_id`, `role`, `num_tokens`, `num_reused`, `num_repositioned`, `num_computed`, then one for
-      the answer prompt (the template's assistant header) with `chunk_id` and `role` null; the rows
-      add up to the totals.
+      and `chunks`: one object per chunk of the context, with `chunk_id`, `role`, `num_tokens`,
+      `num_reused`, `num_repositioned`, `num_computed`, `num_recomputed` (of the computed ones, tokens
+      whose moved KV repair replaced), then one for the answer prompt (the template's assistant
+      header) with `chunk_id` and `role` null; the rows add up to the totals.
     - system, context, query, use-output, delete-output, drop: `action` and `chunk`, a chunk object:
       `number`, `chunk_id`, `role`, `text`, `num_tokens`, `num_blocks`, `num_refs`, `place` (1-based
       place in the context or null), `pinned`, `output_number` and `finish_reason` (null unless an

@@ -200,16 +200,15 @@ def needs_chunk_table(result: InferenceResult) -> bool:
 
 
 def chunk_reports_table(reports: list[ChunkReport]) -> RenderableType:
-    table = Table("id", "role", "tokens", "reused", "repositioned", "computed", box=None, pad_edge=False)
+    repaired = any(r.num_recomputed for r in reports)
+    columns = ["id", "role", "tokens", "reused", "repositioned", "computed"] + (
+        ["recomputed"] if repaired else []
+    )
+    table = Table(*columns, box=None, pad_edge=False)
     for r in reports:
-        table.add_row(
-            r.chunk_id or "",
-            str(r.role) if r.role else "answer prompt",
-            str(r.num_tokens),
-            str(r.num_reused),
-            str(r.num_repositioned),
-            str(r.num_computed),
-        )
+        cells = [r.chunk_id or "", str(r.role) if r.role else "answer prompt", str(r.num_tokens)]
+        cells += [str(r.num_reused), str(r.num_repositioned), str(r.num_computed)]
+        table.add_row(*cells, *([str(r.num_recomputed)] if repaired else []))
     return table
 
 

@@ -57,7 +57,7 @@ class KVWorkspace:
 class _PagedLayer(CacheLayerMixin):
     is_sliding = False
 
-    def __init__(self, cache: ForwardCache, layer_idx: int):
+    def __init__(self, cache: ForwardCache | SelectiveCache, layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
         self.is_initialized = True
@@ -105,3 +105,42 @@ class ForwardCache(Cache):
         if layer == self.workspace.num_layers - 1:
             self.workspace.length = end
         return ws_k[:, :, :end], ws_v[:, :, :end]  # (1, H, start+q, D)
+
+
+class SelectiveCache(Cache):
+    """The cache of a forward over some positions of a sequence whose K/V up to `length` sit in the
+    workspace: new K/V overwrite those positions (workspace and pool), attention reads all `length`.
+
+    At `probe_layer` it first measures how far the new K/V lie from what the positions held."""
+
+    def __init__(self, workspace: KVWorkspace, pool: KVPool, length: int, probe_layer: int):
+        super().__init__(layers=[_PagedLayer(self, i) for i in range(workspace.num_layers)])
+        self.workspace, self.pool, self.start = workspace, pool, length
+        self.probe_layer = probe_layer
+        self.positions: torch.Tensor | None = None
+        self.slots: torch.Tensor | None = None
+        self.deviation: torch.Tensor | None = None  # (q,) at the probe layer
+
+    def bind(self, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        self.positions, self.slots = positions, slots
+
+    def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        # keys, values: (1, H, q, D) for the bound positions
+        assert self.positions is not None and self.slots is not None
+        ws_k, ws_v = self.workspace.keys[layer], self.workspace.values[layer]
+        if layer == self.probe_layer:
+            self.deviation = _relative_sq_error(keys, ws_k[:, :, self.positions]) + _relative_sq_error(
+                values, ws_v[:, :, self.positions]
+            )
+        ws_k.index_copy_(2, self.positions, keys)
+        ws_v.index_copy_(2, self.positions, values)
+        self.pool.write(layer, self.slots, keys, values)
+        return ws_k[:, :, : self.start], ws_v[:, :, : self.start]  # (1, H, length, D)
+
+
+def _relative_sq_error(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Per position: squared distance, over the mean squared norm of `old`. (1, H, q, D) -> (q,)"""
+    new, old = new.float(), old.float()
+    error = (new - old).pow(2).sum(dim=(0, 1, 3))  # (q,)
+    scale = old.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
+    return error / scale

@@ -33,7 +33,10 @@ class Sequence:
         return self.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def slots(self, start: int, end: int) -> list[int]:
-        return [self.slot(i) for i in range(start, end)]
+        return self.slots_at(range(start, end))
+
+    def slots_at(self, positions) -> list[int]:
+        return [self.slot(i) for i in positions]
 
     def blocks_covering(self, start: int, end: int) -> list[int]:
         """The block ids that hold positions start..end-1."""

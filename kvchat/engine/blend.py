@@ -1,0 +1,71 @@
+"""Selective recompute (CacheBlend, Yao et al. 2025): after moved KV is placed, recompute only the
+positions whose KV deviates most from what a forward in the new context computes.
+
+The region from the first moved position to the last computed one runs through the first layers in
+full (`probe_layer` + 1 of them), which makes those layers' KV exact there and, at the probe layer,
+measures each position's deviation (keys and values) from the moved KV. Only the most deviating
+positions, and the ones that must be computed anyway, go on through the remaining layers, at their own
+positions, attending to everything before them; the others keep their moved KV from there on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvchat.engine.engine import Engine
+from kvchat.engine.paged_cache import SelectiveCache
+from kvchat.engine.sequence import Sequence
+
+
+@torch.inference_mode()
+def recompute_selected(
+    engine: Engine, seq: Sequence, start: int, forced: list[bool], num_selected: int, probe_layer: int
+) -> list[int]:
+    """Recompute positions start..seq.num_computed-1 as above: those `forced` (index i is position
+    start + i) and the `num_selected` others that deviate most. Returns the recomputed positions."""
+    end = seq.num_computed
+    assert engine.pool is not None and len(forced) == end - start and 0 <= probe_layer < engine.num_layers
+    assert seq.exact_limit <= start, "selective recompute never writes over exact KV"
+    base = getattr(engine.model, "model", engine.model)
+    ws = engine.workspace
+    ws.owner = None  # it is rewritten below; if interrupted, nothing trusts it
+    seq.kv_version += 1
+    ws.load(*engine.pool.gather(_tensor(seq.slots(0, end), engine.device)))
+    cache = SelectiveCache(ws, engine.pool, end, probe_layer)
+    positions = torch.arange(start, end, device=engine.device)  # (n,)
+    must = torch.tensor(forced, dtype=torch.bool, device=engine.device)  # (n,)
+    hidden = base.embed_tokens(_tensor(seq.token_ids[start:end], engine.device).unsqueeze(0))  # (1, n, d)
+    chosen: list[int] = []
+    for index, layer in enumerate(base.layers):
+        cache.bind(positions, _tensor(seq.slots_at(positions.tolist()), engine.device))
+        position_ids = positions.unsqueeze(0)  # (1, q)
+        out = layer(
+            hidden,
+            attention_mask=_causal_mask(positions, end, hidden.dtype),
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            position_embeddings=base.rotary_emb(hidden, position_ids),
+        )
+        hidden = out[0] if isinstance(out, tuple) else out  # (1, q, d)
+        if index == probe_layer:
+            assert cache.deviation is not None
+            score = cache.deviation.masked_fill(must, float("inf"))  # (n,)
+            count = min(len(forced), num_selected + int(must.sum()))
+            keep = score.topk(count).indices.sort().values  # (k,)
+            chosen = [start + i for i in keep.tolist()]
+            hidden, positions = hidden[:, keep], positions[keep]  # (1, k, d), (k,)
+    ws.length, ws.owner = end, (seq.seq_id, seq.kv_version)
+    return chosen
+
+
+def _causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask: the query at position p sees keys 0..p. (1, 1, q, length)"""
+    keys = torch.arange(length, device=positions.device)  # (length,)
+    allowed = keys.unsqueeze(0) <= positions.unsqueeze(1)  # (q, length)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def _tensor(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
