@@ -267,6 +267,9 @@ class Shell:
             from kvchat.session import repair_policy  # torch: imported once a model runs
 
             self.ctx.repair = repair_policy(settings.reuse)
+        if info.table == "decode":
+            decode = settings.decode
+            self.ctx.speculation = self.ctx.speculation.with_settings(decode.speculate, decode.draft_max)
         self.settings = settings
         # Settings that are not live are read once, when kvchat starts.
         later = "" if info.spec.live else " (takes effect when kvchat starts again)"
