@@ -50,15 +50,6 @@ class Scripted:
         return self.drafter
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny forwards run many times faster on one thread than on two busy ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def varied_model(kind: str = "llama", seed: int = 0):
     """A tiny random model whose greedy answers vary: at init scale they repeat one token."""
     model = make_tiny_model(kind, vocab_size=64, seed=seed)

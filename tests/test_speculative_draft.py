@@ -6,7 +6,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from kvchat.chunks.types import InferenceResult, ReuseMode
 from kvchat.cli.jsonout import _inference_fields
@@ -19,14 +18,6 @@ from kvchat.engine.speculate import Speculation
 from kvchat.errors import DraftModelError
 from kvchat.session import check_draft_vocabulary
 from tests.test_speculative import block_state, repeating_prompt, run, varied_model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("draft_seed", [0, 7])  # the target itself (all accepted), another model
