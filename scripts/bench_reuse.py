@@ -147,9 +147,10 @@ class Row:
         return recomputed / moved if moved else 0.0
 
 
-def arranged(model, tokenizer, kind: str, seed: int, docs: list[str]) -> ContextManager:
+def arranged(model, tokenizer, kind: str, seed: int, docs: list[str], size: int) -> ContextManager:
     """A session that answered the first arrangement and holds the second, not yet answered."""
-    engine = Engine(model, kv_memory_bytes=512 << 20, block_size=16)
+    # Room for the kept chunks, the live sequence and /verify's two copies of the context.
+    engine = Engine(model, kv_memory_bytes=max(512, size // 3) << 20, block_size=16)
     cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id}))
     SETS[kind](cm, docs, seed)
     return cm
@@ -211,7 +212,7 @@ def main() -> None:
         docs = passages(tokenizer, size)
         for kind in args.sets:
             for seed in range(args.seeds):
-                base = arranged(model, tokenizer, kind, seed, docs)
+                base = arranged(model, tokenizer, kind, seed, docs, size)
                 for variant in variants:  # interleaved, so machine noise hits every variant alike
                     row = run_one(base, size, kind, variant, args.verify_tokens)
                     rows.append(row)
