@@ -204,7 +204,7 @@ class ContextManager:
         try:
             return build(self.setup, chunks, reserve_tokens)
         except CacheFullError as err:
-            raise CacheFullError(f"{err}. {self._what_to_delete()}") from None
+            raise CacheFullError(f"{err}. {describe.deletable_outputs(self.registry)}") from None
 
     def _run(self, chunks: list[Chunk], params: SamplingParams, turn: Chunk | None = None) -> InferenceStream:
         """One inference, owned from composing to settling: whatever way it ends (an answer, an error,
@@ -306,13 +306,13 @@ class ContextManager:
         """Replace the session with the one saved in `path`; returns the number of chunks. A file that
         is unreadable, made for another model or too big for the cache changes nothing."""
         saved = persist.read(self.engine, self._layout(), Path(path))
-        held = self.held_blocks()
-        reclaimable = sum(1 for b, n in held.items() if self.engine.blocks.blocks[b].ref_count == n)
-        available = self.engine.blocks.num_free + reclaimable
+        held = self.held_blocks()  # what a reset frees: blocks no one else references
+        available = self.engine.blocks.num_free + sum(
+            1 for b, n in held.items() if self.engine.blocks.blocks[b].ref_count == n
+        )
         if saved.num_blocks > available:
             raise StateFileError(
-                f"{path}: needs {saved.num_blocks} KV blocks, this session can free {available} "
-                f"of {self.engine.blocks.num_blocks}; raise --kv-memory"
+                f"{path}: needs {saved.num_blocks} KV blocks, {available} free: raise --kv-memory"
             )
         self.reset()
         live, chunks = persist.restore(self.engine, saved)
@@ -346,15 +346,6 @@ class ContextManager:
         if chunk.span is not None:
             chunk.span.release(self.engine.blocks)
         self.registry.remove(chunk.chunk_id)
-
-    def _what_to_delete(self) -> str:
-        kept = [
-            (c.output_number, len(c.span.block_ids)) for c in self.registry.outputs() if c.span is not None
-        ]
-        if not kept:
-            return "Nothing is kept that could be deleted; raise --kv-memory or lower --max-tokens."
-        listed = ", ".join(f"/delete-output {number} ({blocks} blocks)" for number, blocks in kept)
-        return f"Kept outputs that could be deleted: {listed}"
 
     def _release_live(self) -> None:
         if self.live is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvchat.chunks.registry import Chunk
+from kvchat.chunks.registry import Chunk, ChunkRegistry
 from kvchat.chunks.spans import KVSpan
 from kvchat.chunks.types import CacheStats, ChunkDetail, ChunkInfo
 from kvchat.engine.block_manager import BlockManager
@@ -56,3 +56,12 @@ def cache_stats(blocks: BlockManager, bytes_per_block: int) -> CacheStats:
         hit_tokens=blocks.hit_tokens,
         lookup_tokens=blocks.lookup_tokens,
     )
+
+
+def deletable_outputs(registry: ChunkRegistry) -> str:
+    """What a user could delete to make room, for a cache-full message."""
+    kept = [(c.output_number, len(c.span.block_ids)) for c in registry.outputs() if c.span is not None]
+    if not kept:
+        return "Nothing is kept that could be deleted; raise --kv-memory or lower --max-tokens."
+    listed = ", ".join(f"/delete-output {number} ({blocks} blocks)" for number, blocks in kept)
+    return f"Kept outputs that could be deleted: {listed}"
