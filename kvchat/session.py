@@ -58,4 +58,9 @@ def check_draft_vocabulary(main: LoadedModel, draft: LoadedModel) -> None:
 
 
 def repair_policy(reuse: ReuseSettings) -> RepairPolicy:
-    return RepairPolicy(reuse.repair_share, reuse.repair_min_tokens, RepairStrategy(reuse.repair_strategy))
+    return RepairPolicy(
+        reuse.repair_share,
+        reuse.repair_min_tokens,
+        RepairStrategy(reuse.repair_strategy),
+        taper=reuse.repair_taper,
+    )

@@ -195,6 +195,13 @@ class ReuseSettings:
         flag="--repair-strategy",
         choices=("prefix", "deviation"),
     )
+    repair_taper: float = setting(
+        0.0,
+        "Deviation repair: 0 selects the tokens to recompute once; t > 0 narrows the selection after "
+        "every layer, from repair_share ** (1 - t) of the moved tokens down to repair_share ** (1 + t).",
+        live=True,
+        range=Range(0, 1, high_open=True),
+    )
     verify_tokens: int = setting(16, "Tokens /verify compares.", live=True, range=Range(1))
 
 

@@ -6,14 +6,21 @@ compositions of eight passages (--sizes tokens in all) over the real model:
   output  - an answer kept as an output, then reused after other passages than those it followed;
   far     - the first passage moved to the end, after all the others (another question each seed).
 
+Each seed first shuffles the passages, so every seed composes them differently.
 For each composition and variant, a fresh session answers the first arrangement (so every chunk has KV
 kept), then the second: its time to first token, then `verify` against a full recompute: KL of the
 next-token distribution, top-1 agreement over --verify-tokens teacher-forced positions, the share of
 leading greedy tokens that agree, and the share of moved tokens that repair recomputed.
 
-A variant is a mode, or a repair strategy with its share: exact, reposition, prefix:0.15,
-deviation:0.15 (deviation:0.15:2 probes at layer 2 instead of 1; deviation:0.15:1:4 also recomputes
-each moved chunk's first 4 tokens, within the same share).
+A variant is a mode, or a repair strategy with its share and options: exact, reposition,
+prefix:0.15, deviation:0.15. Deviation's options, after commas: probe=2 (probe at layer 2, not 1),
+heads=4 (each moved chunk's first 4 tokens are among those recomputed), taper=0.5 (progressive: the
+selection narrows after every layer, see kvchat.chunks.compose.RepairPolicy).
+
+Two recompute shares are reported: "recomputed", the moved tokens that repair recomputed (for
+progressive selection: through at least the first layer after the probe), and "compute", the moved
+tokens' layer computations that repair ran, over the moved tokens times the layers (for deviation it
+counts the probe layers, which run over every moved token).
 
     python scripts/bench_reuse.py --dtype bf16 --threads 1 --sizes 1000 2000
 """
@@ -24,6 +31,7 @@ import copy
 import gc
 import importlib
 import inspect
+import random
 import statistics
 from dataclasses import dataclass
 
@@ -123,13 +131,21 @@ class Variant:
 
     @classmethod
     def parse(cls, text: str) -> Variant:
-        kind, *rest = text.split(":")
+        kind, _, rest = text.partition(":")
         if kind in ("exact", "reposition"):
             return cls(text, ReuseMode(kind), RepairPolicy())
-        share = float(rest[0]) if rest else 0.15
-        probe = int(rest[1]) if len(rest) > 1 else 1
-        heads = int(rest[2]) if len(rest) > 2 else 0
-        return cls(text, ReuseMode.REPAIR, RepairPolicy(share, heads, RepairStrategy(kind), probe))
+        share, *options = rest.split(",") if rest else ["0.15"]
+        named = dict(option.split("=") for option in options)
+        policy = RepairPolicy(
+            float(share),
+            int(named.pop("heads", 0)),
+            RepairStrategy(kind),
+            int(named.pop("probe", 1)),
+            float(named.pop("taper", 0)),
+        )
+        if named:
+            raise SystemExit(f"unknown options in {text}: {', '.join(named)}")
+        return cls(text, ReuseMode.REPAIR, policy)
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,7 @@ class Row:
     variant: str
     result: InferenceResult
     report: FidelityReport
+    compute: float  # the moved tokens' layer computations repair ran, over moved tokens x layers
 
     @property
     def share(self) -> float:
@@ -152,27 +169,50 @@ def arranged(model, tokenizer, kind: str, seed: int, docs: list[str], size: int)
     # Room for the kept chunks, the live sequence and /verify's two copies of the context.
     engine = Engine(model, kv_memory_bytes=max(512, size // 3) << 20, block_size=16)
     cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id}))
-    SETS[kind](cm, docs, seed)
+    SETS[kind](cm, random.Random(seed).sample(docs, len(docs)), seed)  # each seed its own order
     return cm
 
 
 def run_one(base: ContextManager, size: int, kind: str, variant: Variant, verify: int) -> Row:
     # Each variant starts from its own copy of the arranged session (the model is shared): what one
     # variant computes and caches cannot serve another.
-    cm = copy.deepcopy(
-        base, memo={id(base.engine.model): base.engine.model, id(base.tokenizer): base.tokenizer}
-    )
-    cm.mode, cm.repair = variant.mode, variant.repair
-    row = Row(size, kind, variant.name, last(cm.infer(ONE_TOKEN)), cm.verify(verify))
+    cm = session_copy(base, variant)
+    result = last(cm.infer(ONE_TOKEN))
+    row = Row(size, kind, variant.name, result, cm.verify(verify), compute_share(base, variant))
     del cm
     gc.collect()  # the pool of the session just measured goes before the next one
     return row
 
 
+def session_copy(base: ContextManager, variant: Variant) -> ContextManager:
+    cm = copy.deepcopy(
+        base, memo={id(base.engine.model): base.engine.model, id(base.tokenizer): base.tokenizer}
+    )
+    cm.mode, cm.repair = variant.mode, variant.repair
+    return cm
+
+
+def compute_share(base: ContextManager, variant: Variant) -> float:
+    """The variant's context composed on another copy of the session (the selection is deterministic):
+    the share of the moved tokens' layer computations that its repair ran."""
+    cm, repair = session_copy(base, variant), variant.repair
+    composed = cm.compose()
+    moved = composed.num_repositioned + len(composed.recomputed)
+    if not moved or not composed.recomputed:
+        return 0.0
+    layers = cm.engine.num_layers
+    if repair.strategy is RepairStrategy.PREFIX:
+        return len(composed.recomputed) / moved
+    return ((repair.probe_layer + 1) * moved + sum(composed.recompute_layers)) / (layers * moved)
+
+
 def table(rows: list[Row], variants: list[str], title: str) -> None:
     print(f"\n{title}:")
-    print("| variant | median TTFT | vs exact | median KL | top-1 | top-1 gap closed | greedy | recomputed |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| variant | median TTFT | vs exact | median KL | top-1 | top-1 gap closed | greedy | recomputed "
+        "| compute |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     by = {v: [r for r in rows if r.variant == v] for v in variants}
     exact_ttft = statistics.median(r.result.ttft_s for r in by["exact"]) if by.get("exact") else None
     moved_top1 = (
@@ -188,9 +228,10 @@ def table(rows: list[Row], variants: list[str], title: str) -> None:
         kl = statistics.median(r.report.kl_divergence for r in data)
         greedy = statistics.mean(r.report.greedy_agree / r.report.greedy_tokens for r in data)
         share = statistics.mean(r.share for r in data)
+        compute = statistics.mean(r.compute for r in data)
         print(
             f"| {name} | {ttft:.3f} s | {speed} | {kl:.4f} | {top1:.3f} | {closed} "
-            f"| {greedy:.2f} | {share:.0%} |"
+            f"| {greedy:.2f} | {share:.0%} | {compute:.0%} |"
         )
 
 
@@ -220,6 +261,7 @@ def main() -> None:
                     print(
                         f"{size:5d} {kind:<8} seed={seed} {variant.name:<16} ttft={r.ttft_s:7.3f}s "
                         f"prompt={r.prompt_tokens:5d} moved={r.repositioned_tokens:5d} share={row.share:.2f} "
+                        f"compute={row.compute:.2f} "
                         f"kl={v.kl_divergence:.4f} top1={v.top1_rate:.2f} "
                         f"greedy={v.greedy_agree}/{v.greedy_tokens}",
                         flush=True,

@@ -101,6 +101,11 @@ def test_set_changes_the_next_inference_and_lists_settings():
     h.run("/set reuse.repair_strategy deviation")
     assert h.ctx.repair.strategy is RepairStrategy.DEVIATION
     assert "takes effect" not in h.take()
+    h.run("/set reuse.repair_taper 0.5")
+    assert h.ctx.repair.taper == 0.5 and h.ctx.repair.strategy is RepairStrategy.DEVIATION
+    h.take()
+    h.run("/set reuse.repair_taper 1")  # a taper of 1 would run every moved token through a layer
+    assert "in [0, 1)" in h.take() and h.ctx.repair.taper == 0.5
     h.run("/set top_k 5")  # a key unique across tables needs no table
     assert "sampling.top_k = 5" in h.take()
     h.run("/set cache.block_size 32")

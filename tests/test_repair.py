@@ -26,8 +26,8 @@ def text(seed: int, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def deviation(share: float) -> RepairPolicy:
-    return RepairPolicy(share=share, min_tokens=0, strategy=RepairStrategy.DEVIATION)
+def deviation(share: float, taper: float = 0.0) -> RepairPolicy:
+    return RepairPolicy(share=share, min_tokens=0, strategy=RepairStrategy.DEVIATION, taper=taper)
 
 
 def manager(model, tokenizer, mode: ReuseMode, repair: RepairPolicy) -> ContextManager:
@@ -64,10 +64,10 @@ def tokenizer():
     return load_smollm2_tokenizer()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_share_one_equals_exact(kind, tokenizer):
+@pytest.mark.parametrize("kind,taper", [("llama", 0.0), ("qwen2", 0.0), ("llama", 0.5)])
+def test_share_one_equals_exact(kind, taper, tokenizer):
     model = make_tiny_model(kind, vocab_size=49152, num_layers=4)
-    cm = moved_context(model, tokenizer, ReuseMode.REPAIR, deviation(1.0))
+    cm = moved_context(model, tokenizer, ReuseMode.REPAIR, deviation(1.0, taper))
     logits, composed = composed_logits(cm)
     assert composed.num_repositioned == 0 and composed.recomputed
     assert (logits - full_logits(model, composed.seq.token_ids)).abs().max() <= 1e-4
@@ -81,9 +81,10 @@ def test_share_one_equals_exact_on_smollm2(smollm2):
     assert (logits - full_logits(model, composed.seq.token_ids)).abs().max() <= 1e-4
 
 
-def test_share_zero_equals_reposition(tokenizer):
+@pytest.mark.parametrize("taper", [0.0, 0.5])
+def test_share_zero_equals_reposition(taper, tokenizer):
     model = make_tiny_model("qwen2", vocab_size=49152, num_layers=4)
-    repaired, _ = composed_logits(moved_context(model, tokenizer, ReuseMode.REPAIR, deviation(0.0)))
+    repaired, _ = composed_logits(moved_context(model, tokenizer, ReuseMode.REPAIR, deviation(0.0, taper)))
     moved, composed = composed_logits(moved_context(model, tokenizer, ReuseMode.REPOSITION, deviation(0.0)))
     assert composed.num_repositioned > 0
     assert (repaired - moved).abs().max() <= 1e-5
@@ -99,6 +100,44 @@ def test_partial_share_recomputes_that_share_and_reports_it(tokenizer):
     for report in result.chunks:
         assert report.num_reused + report.num_repositioned + report.num_computed == report.num_tokens
         assert report.num_recomputed <= report.num_computed
+
+
+def test_layer_shares_narrow_from_the_share_and_keep_its_ends():
+    assert RepairPolicy(share=0.2).layer_shares(6) == pytest.approx([0.2] * 4)
+    shares = RepairPolicy(share=0.25, taper=0.5).layer_shares(6)
+    assert shares == pytest.approx([0.5, 0.25**0.5 * 0.25 ** (1 / 3), 0.25 ** (7 / 6), 0.125])
+    assert RepairPolicy(share=1.0, taper=0.9).layer_shares(30) == [1.0] * 28
+    assert RepairPolicy(share=0.0, taper=0.9).layer_shares(30) == [0.0] * 28
+    with pytest.raises(ValueError):
+        RepairPolicy(share=0.2, taper=1.0)
+
+
+def test_progressive_selection_narrows_layer_by_layer(tokenizer):
+    model = make_tiny_model("llama", vocab_size=49152, num_layers=6)
+    policy = RepairPolicy(share=0.25, min_tokens=2, strategy=RepairStrategy.DEVIATION, taper=0.5)
+    cm = moved_context(model, tokenizer, ReuseMode.REPAIR, policy)
+    calls = []
+    real = blend.recompute_selected
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    compose_module.recompute_selected = spy
+    try:
+        composed = cm.compose()
+    finally:
+        compose_module.recompute_selected = real
+    moved = sum(b - a for a, b in composed.repositioned)
+    heads = {p for a, b in composed.repositioned for p in range(a, min(b, a + 2))}
+    expected = [max(len(heads), -(-round(s * moved, 9) // 1)) for s in policy.layer_shares(6)]
+    assert composed.recompute_layers == expected
+    (ran,) = calls
+    for outer, inner in zip(ran, ran[1:], strict=False):
+        assert set(inner) < set(outer)  # each layer runs a subset of the one before
+    assert heads <= set(ran[-1])  # each moved chunk's first tokens run through every layer
+    assert composed.recomputed == [p for p in ran[0] if any(a <= p < b for a, b in composed.repositioned)]
+    cm.engine.free(composed.seq)
 
 
 def test_each_moved_chunks_first_tokens_are_recomputed_within_the_share(tokenizer):
@@ -129,9 +168,10 @@ def test_selective_kv_is_never_indexed_as_exact(tokenizer):
     cm.engine.free(fresh)
 
 
-def test_interrupted_recompute_gives_every_block_back(tokenizer, monkeypatch):
+@pytest.mark.parametrize("taper", [0.0, 0.5])
+def test_interrupted_recompute_gives_every_block_back(taper, tokenizer, monkeypatch):
     model = make_tiny_model("llama", vocab_size=49152, num_layers=4)
-    cm = moved_context(model, tokenizer, ReuseMode.REPAIR, deviation(0.5))
+    cm = moved_context(model, tokenizer, ReuseMode.REPAIR, deviation(0.5, taper))
     blocks = cm.engine.blocks
     cm._release_live()
     free_before = blocks.num_free

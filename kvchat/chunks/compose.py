@@ -28,9 +28,22 @@ class RepairPolicy:
     min_tokens: int = 4
     strategy: RepairStrategy = RepairStrategy.PREFIX
     probe_layer: int = 1  # deviation: layers 0..probe_layer run over every moved token
+    # deviation: 0 selects once; t > 0 narrows the selection after every layer, from share ** (1 - t)
+    # of the moved tokens into the first layer after the probe down to share ** (1 + t) into the last
+    taper: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.share <= 1 and 0 <= self.taper < 1 and self.probe_layer >= 0):
+            raise ValueError(f"not a repair policy: {self}")
 
     def num_recomputed(self, num_tokens: int) -> int:
         return min(num_tokens, max(self.min_tokens, math.ceil(self.share * num_tokens)))
+
+    def layer_shares(self, num_layers: int) -> list[float]:
+        """Deviation: the share of the moved tokens run through each layer after the probe layer."""
+        count = num_layers - 1 - self.probe_layer
+        steps = [j / (count - 1) if count > 1 else 0.5 for j in range(count)]
+        return [self.share ** (1 - self.taper + 2 * self.taper * step) for step in steps]
 
 
 @dataclass
@@ -41,6 +54,8 @@ class ComposedSequence:
     num_reused: int  # leading positions whose exact KV was shared or copied
     repositioned: list[tuple[int, int]]  # position ranges filled with moved KV
     recomputed: list[int] = field(default_factory=list)  # positions of moved chunks repair computed
+    # deviation: moved tokens run through each layer after the probe layer
+    recompute_layers: list[int] = field(default_factory=list)
 
     @property
     def num_repositioned(self) -> int:
@@ -142,9 +157,10 @@ def _recompute_deviating(engine: Engine, composed: ComposedSequence, repair: Rep
         moved[a - start : b - start] = [True] * (b - a)
         head = min(b, a + repair.min_tokens)
         forced[head - start : b - start] = [False] * (b - head)
-    budget = math.ceil(repair.share * sum(moved))
-    if budget == 0:
+    num_moved, heads = sum(moved), sum(f and m for f, m in zip(forced, moved, strict=True))
+    if math.ceil(repair.share * num_moved) == 0:
         return
-    extra = max(0, budget - sum(f and m for f, m in zip(forced, moved, strict=True)))
-    done = recompute_selected(engine, seq, start, forced, extra, repair.probe_layer)
-    composed.recomputed += [p for p in done if moved[p - start]]
+    schedule = [max(0, math.ceil(s * num_moved) - heads) for s in repair.layer_shares(engine.num_layers)]
+    ran = recompute_selected(engine, seq, start, forced, schedule, repair.probe_layer)
+    composed.recomputed += [p for p in ran[0] if moved[p - start]] if ran else []
+    composed.recompute_layers = [sum(moved[p - start] for p in layer) for layer in ran]

@@ -285,8 +285,9 @@ class Shell:
         """How a cached chunk is reused when what comes before it changed:
           exact       recompute from the first token whose prefix differs (same result as a full recompute)
           reposition  move its KV to the new positions (keys re-rotated): fastest, approximate
-          repair      reposition, then recompute the first tokens of each moved chunk
-                      (reuse.repair_share of them, at least reuse.repair_min_tokens): closer, costs more
+          repair      reposition, then recompute reuse.repair_share of the moved tokens: each moved
+                      chunk's first ones (reuse.repair_strategy prefix) or those whose KV deviates
+                      most on the first layers (deviation): closer, costs more
         Without an argument, shows the mode in use. /verify measures what a mode costs.
         """
         if arg:

@@ -4,8 +4,10 @@ positions whose KV deviates most from what a forward in the new context computes
 The region from the first moved position to the last computed one runs through the first layers in
 full (`probe_layer` + 1 of them), which makes those layers' KV exact there and, at the probe layer,
 measures each position's deviation (keys and values) from the moved KV. Only the most deviating
-positions, and the ones that must be computed anyway, go on through the remaining layers, at their own
-positions, attending to everything before them; the others keep their moved KV from there on.
+positions, and the ones that must be computed anyway, go on through the next layer, at their own
+positions, attending to everything before them; the others keep their moved KV from there on. The
+selection is made again after every later layer, among the positions still running, as long as the
+schedule asks for fewer of them (progressive filtering); a flat schedule selects once.
 """
 
 from __future__ import annotations
@@ -19,25 +21,34 @@ from kvchat.engine.sequence import Sequence
 
 @torch.inference_mode()
 def recompute_selected(
-    engine: Engine, seq: Sequence, start: int, forced: list[bool], num_selected: int, probe_layer: int
-) -> list[int]:
-    """Recompute positions start..seq.num_computed-1 as above: those `forced` (index i is position
-    start + i) and the `num_selected` others that deviate most. Returns the recomputed positions."""
+    engine: Engine, seq: Sequence, start: int, forced: list[bool], schedule: list[int], probe_layer: int
+) -> list[list[int]]:
+    """Recompute positions start..seq.num_computed-1 as above: layers 0..probe_layer over all of them,
+    then layer probe_layer + 1 + j over those `forced` (index i is position start + i) and the
+    `schedule[j]` others that deviate most (non-increasing). Returns the positions run through each
+    layer after the probe layer."""
     end = seq.num_computed
     assert engine.pool is not None and len(forced) == end - start and 0 <= probe_layer < engine.num_layers
+    assert len(schedule) == engine.num_layers - 1 - probe_layer
+    assert all(a >= b for a, b in zip(schedule, schedule[1:], strict=False)), schedule
     assert seq.exact_limit <= start, "selective recompute never writes over exact KV"
     base = getattr(engine.model, "model", engine.model)
     ws = engine.workspace
     ws.owner = None  # it is rewritten below; if interrupted, nothing trusts it
     seq.kv_version += 1
     ws.load(*engine.pool.gather(_tensor(seq.slots(0, end), engine.device)))
-    cache = SelectiveCache(ws, engine.pool, end, probe_layer)
+    narrowing = [probe_layer] + [
+        probe_layer + j for j in range(1, len(schedule)) if schedule[j] < schedule[j - 1]
+    ]  # the layers after which fewer positions go on
+    cache = SelectiveCache(ws, engine.pool, end, set(narrowing))
     positions = torch.arange(start, end, device=engine.device)  # (n,)
     must = torch.tensor(forced, dtype=torch.bool, device=engine.device)  # (n,)
+    num_forced = int(must.sum())
     hidden = base.embed_tokens(_tensor(seq.token_ids[start:end], engine.device).unsqueeze(0))  # (1, n, d)
-    chosen: list[int] = []
+    ran: list[list[int]] = []
     for index, layer in enumerate(base.layers):
         cache.bind(positions, _tensor(seq.slots_at(positions.tolist()), engine.device))
+        cache.deviation = None
         position_ids = positions.unsqueeze(0)  # (1, q)
         out = layer(
             hidden,
@@ -48,15 +59,17 @@ def recompute_selected(
             position_embeddings=base.rotary_emb(hidden, position_ids),
         )
         hidden = out[0] if isinstance(out, tuple) else out  # (1, q, d)
-        if index == probe_layer:
+        if index < probe_layer or index == engine.num_layers - 1:
+            continue
+        count = min(len(positions), num_forced + schedule[index - probe_layer])
+        if count < len(positions):
             assert cache.deviation is not None
-            score = cache.deviation.masked_fill(must, float("inf"))  # (n,)
-            count = min(len(forced), num_selected + int(must.sum()))
+            score = cache.deviation.masked_fill(must, float("inf"))  # (q,)
             keep = score.topk(count).indices.sort().values  # (k,)
-            chosen = [start + i for i in keep.tolist()]
-            hidden, positions = hidden[:, keep], positions[keep]  # (1, k, d), (k,)
+            hidden, positions, must = hidden[:, keep], positions[keep], must[keep]  # (1, k, d), (k,), (k,)
+        ran.append(positions.tolist())
     ws.length, ws.owner = end, (seq.seq_id, seq.kv_version)
-    return chosen
+    return ran
 
 
 def _causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:

@@ -111,15 +111,15 @@ class SelectiveCache(Cache):
     """The cache of a forward over some positions of a sequence whose K/V up to `length` sit in the
     workspace: new K/V overwrite those positions (workspace and pool), attention reads all `length`.
 
-    At `probe_layer` it first measures how far the new K/V lie from what the positions held."""
+    At the `measured` layers it first measures how far the new K/V lie from what the positions held."""
 
-    def __init__(self, workspace: KVWorkspace, pool: KVPool, length: int, probe_layer: int):
+    def __init__(self, workspace: KVWorkspace, pool: KVPool, length: int, measured: set[int]):
         super().__init__(layers=[_PagedLayer(self, i) for i in range(workspace.num_layers)])
         self.workspace, self.pool, self.start = workspace, pool, length
-        self.probe_layer = probe_layer
+        self.measured = measured
         self.positions: torch.Tensor | None = None
         self.slots: torch.Tensor | None = None
-        self.deviation: torch.Tensor | None = None  # (q,) at the probe layer
+        self.deviation: torch.Tensor | None = None  # (q,) at the last measured layer
 
     def bind(self, positions: torch.Tensor, slots: torch.Tensor) -> None:
         self.positions, self.slots = positions, slots
@@ -128,7 +128,7 @@ class SelectiveCache(Cache):
         # keys, values: (1, H, q, D) for the bound positions
         assert self.positions is not None and self.slots is not None
         ws_k, ws_v = self.workspace.keys[layer], self.workspace.values[layer]
-        if layer == self.probe_layer:
+        if layer in self.measured:
             self.deviation = _relative_sq_error(keys, ws_k[:, :, self.positions]) + _relative_sq_error(
                 values, ws_v[:, :, self.positions]
             )
