@@ -188,7 +188,7 @@ class ReuseSettings:
         range=Range(0),
     )
     repair_strategy: str = setting(
-        "prefix",
+        "deviation",
         "Which moved tokens repair recomputes: prefix (each chunk's first ones) or deviation (those whose KV "
         "deviates most, CacheBlend-style).",
         live=True,

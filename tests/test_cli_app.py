@@ -93,7 +93,7 @@ def test_flags_become_setting_overrides():
         "--reuse",
         "repair",
         "--repair-strategy",
-        "deviation",
+        "prefix",
         "--block-size",
         "32",
         "--kv-memory",
@@ -105,7 +105,7 @@ def test_flags_become_setting_overrides():
     assert values["model.model"] == "some/model"
     assert values["sampling.temperature"] == 0.5 and values["sampling.top_k"] == 20
     assert values["reuse.mode"] == "repair" and values["cache.block_size"] == 32
-    assert values["reuse.repair_strategy"] == "deviation"
+    assert values["reuse.repair_strategy"] == "prefix"
     assert values["cache.kv_memory_mb"] == 64
     assert factory.ctx.params_seen[0].max_tokens == 9
 

@@ -98,11 +98,11 @@ def test_set_changes_the_next_inference_and_lists_settings():
     h.run("/set reuse.mode reposition")
     assert h.ctx.mode is ReuseMode.REPOSITION
     h.take()
-    h.run("/set reuse.repair_strategy deviation")
-    assert h.ctx.repair.strategy is RepairStrategy.DEVIATION
+    h.run("/set reuse.repair_strategy prefix")
+    assert h.ctx.repair.strategy is RepairStrategy.PREFIX
     assert "takes effect" not in h.take()
     h.run("/set reuse.repair_taper 0.5")
-    assert h.ctx.repair.taper == 0.5 and h.ctx.repair.strategy is RepairStrategy.DEVIATION
+    assert h.ctx.repair.taper == 0.5 and h.ctx.repair.strategy is RepairStrategy.PREFIX
     h.take()
     h.run("/set reuse.repair_taper 1")  # a taper of 1 would run every moved token through a layer
     assert "in [0, 1)" in h.take() and h.ctx.repair.taper == 0.5

@@ -8,7 +8,7 @@ import torch
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import InferenceResult, ReuseMode, Role, StepEvent
+from kvchat.chunks.types import InferenceResult, RepairStrategy, ReuseMode, Role, StepEvent
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
@@ -116,7 +116,7 @@ def test_reposition_and_repair_move_chunks_and_report_them(model):
     reports = {}
     for mode in (ReuseMode.EXACT, ReuseMode.REPOSITION, ReuseMode.REPAIR):
         cm = make_manager(model, mode=mode)
-        cm.repair = RepairPolicy(share=0.25, min_tokens=2)
+        cm.repair = RepairPolicy(share=0.25, min_tokens=2, strategy=RepairStrategy.PREFIX)
         cm.set_system("first system prompt")
         doc = cm.add_context(text(3, 30))
         cm.set_query("what ran to the sea?")

@@ -5,9 +5,10 @@ import signal
 
 import pytest
 
+from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import ReuseMode, Role, StepEvent
+from kvchat.chunks.types import RepairStrategy, ReuseMode, Role, StepEvent
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
@@ -49,6 +50,7 @@ def test_a_failing_inference_keeps_no_block(model):
 
 def test_ctrl_c_in_a_reposition_prefill_is_a_clean_cancel(model, monkeypatch):
     cm = manager_with_query(model, mode=ReuseMode.REPAIR)
+    cm.repair = RepairPolicy(strategy=RepairStrategy.PREFIX)
     drain(cm.infer(GREEDY))
     cm.middle.reverse()  # the passages move: repair recomputes their first tokens while composing
     engine = cm.engine

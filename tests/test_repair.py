@@ -81,6 +81,16 @@ def test_share_one_equals_exact_on_smollm2(smollm2):
     assert (logits - full_logits(model, composed.seq.token_ids)).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_probing_every_layer_recomputes_every_moved_token(num_layers, tokenizer):
+    model = make_tiny_model("llama", vocab_size=49152, num_layers=num_layers)
+    cm = moved_context(model, tokenizer, ReuseMode.REPAIR, deviation(0.25))  # probes at layer 1
+    logits, composed = composed_logits(cm)
+    moved = sum(b - a for a, b in composed.repositioned)
+    assert moved and len(composed.recomputed) == moved and composed.num_repositioned == 0
+    assert (logits - full_logits(model, composed.seq.token_ids)).abs().max() <= 1e-4
+
+
 @pytest.mark.parametrize("taper", [0.0, 0.5])
 def test_share_zero_equals_reposition(taper, tokenizer):
     model = make_tiny_model("qwen2", vocab_size=49152, num_layers=4)

@@ -12,7 +12,7 @@ The last chunks are left uncomputed: the token loop's prefill computes them and 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvchat.chunks.registry import Chunk
 from kvchat.chunks.types import ChunkReport, RepairStrategy, ReuseMode
@@ -26,7 +26,7 @@ from kvchat.engine.sequence import Sequence
 class RepairPolicy:
     share: float = 0.15
     min_tokens: int = 4
-    strategy: RepairStrategy = RepairStrategy.PREFIX
+    strategy: RepairStrategy = RepairStrategy.DEVIATION
     probe_layer: int = 1  # deviation: layers 0..probe_layer run over every moved token
     # deviation: 0 selects once; t > 0 narrows the selection after every layer, from share ** (1 - t)
     # of the moved tokens into the first layer after the probe down to share ** (1 + t) into the last
@@ -160,7 +160,10 @@ def _recompute_deviating(engine: Engine, composed: ComposedSequence, repair: Rep
     num_moved, heads = sum(moved), sum(f and m for f, m in zip(forced, moved, strict=True))
     if math.ceil(repair.share * num_moved) == 0:
         return
+    repair = replace(repair, probe_layer=min(repair.probe_layer, engine.num_layers - 1))
     schedule = [max(0, math.ceil(s * num_moved) - heads) for s in repair.layer_shares(engine.num_layers)]
     ran = recompute_selected(engine, seq, start, forced, schedule, repair.probe_layer)
-    composed.recomputed += [p for p in ran[0] if moved[p - start]] if ran else []
+    # Without layers after the probe layer, every position ran through every layer.
+    first = ran[0] if ran else range(start, seq.num_computed)
+    composed.recomputed += [p for p in first if moved[p - start]]
     composed.recompute_layers = [sum(moved[p - start] for p in layer) for layer in ran]
