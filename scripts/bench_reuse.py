@@ -242,7 +242,7 @@ def main() -> None:
     parser.add_argument("--verify-tokens", type=int, default=32)
     parser.add_argument("--seeds", type=int, default=2, help="compositions of each kind")
     parser.add_argument(
-        "--variants", nargs="+", default=["exact", "reposition", "prefix:0.15", "deviation:0.15"]
+        "--variants", nargs="+", default=["exact", "reposition", "prefix:0.15", "deviation:0.15,heads=4"]
     )
     args = parser.parse_args()
     folder, model, tokenizer = load(args)
