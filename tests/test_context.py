@@ -151,6 +151,35 @@ def test_verify_exact_is_identical_and_reposition_is_measured(model):
     cm.engine.blocks.check_invariants()
 
 
+def test_verify_leaves_the_cache_as_it_found_it(model):
+    cm = make_manager(model)
+    cm.set_system("first system prompt")
+    cm.add_context(text(4, 30))
+    cm.set_query("what ran to the sea?")
+    drain(cm.infer(GREEDY))
+    cm.set_system("another system prompt, longer than the first one")
+    cm.mode = ReuseMode.REPOSITION
+    blocks = cm.engine.blocks
+
+    def cached_after(action) -> int:
+        before = blocks.num_cached
+        action()
+        return blocks.num_cached - before
+
+    def compose_only():
+        composed = cm.compose()
+        cm.engine.compute(composed.seq)
+        cm.engine.free(composed.seq)
+
+    compose_only()  # what the mode computes exactly itself (the new system prompt) stays cached
+    results = []
+    assert cached_after(lambda: results.append(cm.verify(8))) == cached_after(compose_only)
+    first = results[0]
+    second = cm.verify(8)  # measures the mode again, not the first one's full recompute
+    assert first.repositioned_tokens > 0 and second == first
+    cm.engine.blocks.check_invariants()
+
+
 def test_cancel_keeps_generated_tokens(model):
     cm = make_manager(model)
     cm.set_query("count")

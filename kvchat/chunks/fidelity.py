@@ -41,7 +41,8 @@ def verify(
     with engine.owning(approx_seq):
         approx = engine.compute(approx_seq)
         try:
-            full_seq = engine.start(list(approx_seq.token_ids), reuse=False)
+            # Not indexed: a later /verify or /infer measures its own mode, not this recompute.
+            full_seq = engine.start(list(approx_seq.token_ids), reuse=False, index=False)
         except CacheFullError:
             raise CacheFullError(
                 f"/verify needs room for a second, fully recomputed copy of the context "

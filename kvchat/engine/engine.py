@@ -79,13 +79,14 @@ class Engine:
 
     # -- sequence lifecycle ------------------------------------------------------------------------
 
-    def start(self, token_ids: list[int], reuse: bool = True) -> Sequence:
-        """A new sequence over `token_ids`, sharing the longest exact prefix already cached.
+    def start(self, token_ids: list[int], reuse: bool = True, index: bool = True) -> Sequence:
+        """A new sequence over `token_ids`, sharing the longest exact prefix already cached (unless not
+        `reuse`); with `index`, the KV it computes is declared reusable in turn.
 
         At least the last token is left to compute, so the caller always gets logits.
         """
         assert token_ids, "a sequence needs at least one token"
-        seq = Sequence(list(token_ids), self.block_size, seq_id=next(self._seq_ids))
+        seq = Sequence(list(token_ids), self.block_size, seq_id=next(self._seq_ids), indexed=index)
         if self.pool is None:
             return seq
         match = self.blocks.match_prefix(token_ids, max_tokens=len(token_ids) - 1) if reuse else None
@@ -214,7 +215,7 @@ class Engine:
     def _record(self, seq: Sequence) -> None:
         """Declare the sequence's newly computed exact KV reusable, block by block."""
         limit = min(seq.num_computed, seq.exact_limit)
-        if self.pool is None or limit <= seq.num_recorded:
+        if self.pool is None or not seq.indexed or limit <= seq.num_recorded:
             return
         bs = self.block_size
         for index in range(seq.num_recorded // bs, (limit - 1) // bs + 1):

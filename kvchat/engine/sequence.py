@@ -16,6 +16,7 @@ class Sequence:
     num_recorded: int = 0  # leading tokens already declared reusable to the block manager
     kv_version: int = 0  # bumped when KV is written other than by a forward (copies, repositioning)
     block_hashes: list[int] = field(default_factory=list)  # chain hash after each full block, memoized
+    indexed: bool = True  # whether its exact KV is declared reusable to the block manager
 
     @property
     def num_tokens(self) -> int:
