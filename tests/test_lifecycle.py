@@ -105,6 +105,19 @@ def test_two_interleaved_streams_leak_nothing(model):
     assert_all_free_after_reset(cm)
 
 
+@pytest.mark.parametrize("tokens_first", [0, 1])
+def test_a_chat_stream_closed_after_a_reset_fails_nothing(model, tokens_first):
+    cm = manager_with_query(model)
+    stream = cm.chat("and then?", SamplingParams(max_tokens=5))
+    for _ in range(tokens_first + 1):
+        next(stream)
+    cm.reset()
+    stream.close()  # its turn went with the reset: nothing to take back, and no KeyError
+    assert_refs_match(cm)
+    cm.reset()
+    assert_all_free_after_reset(cm)
+
+
 def test_a_load_that_does_not_fit_changes_nothing(model, tmp_path):
     big = manager_with_query(model)
     big.add_context(text(5, 90))

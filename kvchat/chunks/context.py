@@ -222,7 +222,9 @@ class ContextManager:
         finally:
             run.release()
             if output is None and turn is not None and turn.chunk_id not in self.turns:
-                self.registry.remove(turn.chunk_id)  # a turn joins only together with its answer
+                # A turn joins only together with its answer (unless it went with a reset meanwhile).
+                if self.registry.chunks.get(turn.chunk_id) is turn:
+                    self.registry.remove(turn.chunk_id)
         yield run.result(output)
 
     def _settle(self, run: Inference, chunks: list[Chunk], turn: Chunk | None) -> Chunk | None:
