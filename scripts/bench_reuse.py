@@ -240,7 +240,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 2000], help="tokens of passages")
     parser.add_argument("--sets", nargs="+", choices=list(SETS), default=list(SETS))
     parser.add_argument("--verify-tokens", type=int, default=32)
-    parser.add_argument("--seeds", type=int, default=2, help="compositions of each kind")
+    parser.add_argument("--seeds", type=int, default=3, help="compositions of each kind")
     parser.add_argument(
         "--variants", nargs="+", default=["exact", "reposition", "prefix:0.15", "deviation:0.15,heads=4"]
     )
