@@ -133,13 +133,19 @@ def test_reposition_and_repair_move_chunks_and_report_them(model):
     )
 
 
-def test_verify_exact_is_identical_and_reposition_is_measured(model):
+def answered_then_moved(model) -> ContextManager:
+    """A passage answered once, then under a longer system prompt: every later position shifts."""
     cm = make_manager(model)
     cm.set_system("first system prompt")
     cm.add_context(text(4, 30))
     cm.set_query("what ran to the sea?")
     drain(cm.infer(GREEDY))
     cm.set_system("another system prompt, longer than the first one")
+    return cm
+
+
+def test_verify_exact_is_identical_and_reposition_is_measured(model):
+    cm = answered_then_moved(model)
     cm.mode = ReuseMode.REPOSITION
     moved = cm.verify(8)
     assert moved.repositioned_tokens > 0 and moved.max_logit_diff > 0
@@ -152,12 +158,7 @@ def test_verify_exact_is_identical_and_reposition_is_measured(model):
 
 
 def test_verify_leaves_the_cache_as_it_found_it(model):
-    cm = make_manager(model)
-    cm.set_system("first system prompt")
-    cm.add_context(text(4, 30))
-    cm.set_query("what ran to the sea?")
-    drain(cm.infer(GREEDY))
-    cm.set_system("another system prompt, longer than the first one")
+    cm = answered_then_moved(model)
     cm.mode = ReuseMode.REPOSITION
     blocks = cm.engine.blocks
 
