@@ -105,17 +105,22 @@ def test_two_interleaved_streams_leak_nothing(model):
     assert_all_free_after_reset(cm)
 
 
-@pytest.mark.parametrize("tokens_first", [0, 1])
-def test_a_chat_stream_closed_after_a_reset_fails_nothing(model, tokens_first):
+@pytest.mark.parametrize("in_prefill,finish", [(True, False), (False, False), (False, True)])
+def test_a_chat_stream_ended_after_a_reset_leaves_the_new_session_alone(model, in_prefill, finish):
     cm = manager_with_query(model)
     stream = cm.chat("and then?", SamplingParams(max_tokens=5))
-    for _ in range(tokens_first + 1):
-        next(stream)
+    event = next(stream)
+    while not in_prefill and not isinstance(event, StepEvent):  # on to the first token
+        event = next(stream)
     cm.reset()
-    stream.close()  # its turn went with the reset: nothing to take back, and no KeyError
+    if finish:
+        *_, result = stream
+        assert result.output_number is None
+    else:
+        stream.close()  # its turn went with the reset: nothing to take back, and no KeyError
+    assert cm.outputs() == [] and cm.turns == [] and cm.live is None  # the new session got nothing
+    assert cm.engine.blocks.num_free == cm.engine.blocks.num_blocks
     assert_refs_match(cm)
-    cm.reset()
-    assert_all_free_after_reset(cm)
 
 
 def test_a_load_that_does_not_fit_changes_nothing(model, tmp_path):

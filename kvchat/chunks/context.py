@@ -211,14 +211,17 @@ class ContextManager:
         Ctrl-C anywhere, the stream closed), its blocks are either kept by this manager or freed."""
         self._release_live()  # its blocks stay cached, so the new sequence can still share them
         run = Inference(self.setup, chunks, params, compose=self._build)
+        registry = self.registry  # replaced by a reset: an answer from before it is not kept after
         output: Chunk | None = None
         try:
             try:
                 yield from run.steps()
             except GeneratorExit:
-                self._settle(run, chunks, turn)  # the answer so far is kept
+                if self.registry is registry:
+                    self._settle(run, chunks, turn)  # the answer so far is kept
                 raise
-            output = self._settle(run, chunks, turn)
+            if self.registry is registry:
+                output = self._settle(run, chunks, turn)
         finally:
             run.release()
             if output is None and turn is not None and turn.chunk_id not in self.turns:
