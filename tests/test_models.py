@@ -11,6 +11,7 @@ from kvchat.config import ModelSettings
 from kvchat.errors import ConfigError, ModelLoadError
 from kvchat.models import device as device_module
 from kvchat.models import gguf, packaged
+from kvchat.models import loader as loader_module
 from kvchat.models.loader import LoadedModel, apply_threads, choose_dtype, load_model, resolve_model
 from kvchat.models.sources import ModelSource
 
@@ -206,6 +207,7 @@ def test_a_users_gguf_converts_once_with_progress_then_loads_from_the_cache(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader_module, "is_packaged_file", lambda path: False)  # a user's own file
     user_file = tmp_path / "mine.gguf"
     shutil.copy(packaged.packaged_gguf(), user_file)
     calls: list[tuple[str, float, float | None]] = []
@@ -228,5 +230,37 @@ def test_a_users_gguf_converts_once_with_progress_then_loads_from_the_cache(
     assert again.fingerprint == first.fingerprint and 2 in again.eos_token_ids
     for name, tensor in first.model.state_dict().items():
         assert torch.equal(tensor, again.model.state_dict()[name]), name
-    os.utime(user_file, ns=(0, 0))  # a changed file is another conversion
-    assert gguf.converted_gguf_dir(user_file) != folder
+    os.utime(user_file, ns=(0, 0))  # touched, not changed: the same conversion
+    assert gguf.converted_gguf_dir(user_file) == folder
+
+
+def test_the_conversion_key_follows_the_content_not_the_name_or_time(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 40_000  # ~10 MiB: the sampled pieces lie apart
+    first, copy = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    first.write_bytes(data)
+    copy.write_bytes(data)
+    os.utime(copy, ns=(0, 0))
+    assert gguf.content_key(first) == gguf.content_key(copy)
+    edited = bytearray(data)
+    edited[len(data) // 2 + 100] ^= 1  # one byte inside a sampled piece in the middle
+    copy.write_bytes(bytes(edited))
+    assert gguf.content_key(first) != gguf.content_key(copy)
+    copy.write_bytes(data + b"x")
+    assert gguf.content_key(first) != gguf.content_key(copy)
+
+
+def test_the_packaged_gguf_by_path_loads_the_packaged_conversion(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(packaged.packaged_gguf(), copy)
+    assert packaged.is_packaged_file(packaged.packaged_gguf()) and packaged.is_packaged_file(copy)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + bytes(1000))
+    assert not packaged.is_packaged_file(other)
+    seen: list[str] = []
+    monkeypatch.setattr(loader_module, "ensure_converted", lambda progress: seen.append("packaged"))
+    monkeypatch.setattr(loader_module, "ensure_gguf_converted", lambda path, progress: seen.append("user"))
+    for path in (copy, other):
+        loader_module._converted_folder(ModelSource("gguf", str(path)), None)
+    assert seen == ["packaged", "user"]

@@ -1,8 +1,8 @@
 """GGUF files converted once to safetensors and cached, so a second start loads in seconds.
 
 transformers dequantizes every tensor of a GGUF at each load (~20 s for 135M, ~74 s for 0.5B); the
-converted folder loads like any local model. A file's conversion is keyed by its size, modification
-time and a hash of its first MiB (the header and metadata), so an edited or replaced file converts anew.
+converted folder loads like any local model. A file's conversion is keyed by its content (content_key),
+so a copy or a renamed file is not converted again, and an edited or replaced one is.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from kvchat.errors import ModelLoadError
 from kvchat.models.progress import ProgressCallback, quiet_transformers, report
 
+CONVERTING = "converting"  # how a conversion's progress descriptions start
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
 _HEADER_BYTES = 1 << 20
+_NUM_SAMPLES, _SAMPLE_BYTES = 16, 64 << 10
 # End-of-turn and end-of-text tokens of ChatML models (SmolLM2, Qwen): stop on whichever the vocabulary has.
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
@@ -31,11 +33,24 @@ def cache_dir() -> Path:
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """Where the conversion of `gguf_path` is cached (it may not exist yet)."""
-    stat = gguf_path.stat()
-    digest = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:".encode())
-    with gguf_path.open("rb") as file:
+    return cache_dir() / "models" / f"gguf-{gguf_path.stem}-{content_key(gguf_path)}"
+
+
+def content_key(path: Path) -> str:
+    """A hash of a file's size and content: its first MiB (header and metadata), its last MiB and
+    pieces in between. A copy or a new name keeps the key, an edited file gets another; a full hash
+    of a multi-GiB model would cost seconds at every start."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}:".encode())
+    offsets = [size * i // _NUM_SAMPLES for i in range(1, _NUM_SAMPLES)]
+    with path.open("rb") as file:
         digest.update(file.read(_HEADER_BYTES))
-    return cache_dir() / "models" / f"gguf-{gguf_path.stem}-{digest.hexdigest()[:16]}"
+        for offset in offsets:
+            file.seek(offset)
+            digest.update(file.read(_SAMPLE_BYTES))
+        file.seek(max(0, size - _HEADER_BYTES))
+        digest.update(file.read(_HEADER_BYTES))
+    return digest.hexdigest()[:16]
 
 
 def is_converted(folder: Path) -> bool:
@@ -77,13 +92,16 @@ def convert_once(gguf_path: Path, target: Path, progress: ProgressCallback | Non
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: ProgressCallback | None = None) -> None:
     """Dequantize a GGUF into `out_dir` as safetensors plus tokenizer and generation config."""
-    description = f"converting {gguf_path.name} (once)"
-    report(progress, description, 0, None)
-    with quiet_transformers(progress, description):
+    # Each stage is named: reading the tokenizer and the metadata takes most of the time, uncounted.
+    description = f"{CONVERTING} {gguf_path.name} (once)"
+    report(progress, f"{description}: tokenizer", 0, None)
+    with quiet_transformers(progress, f"{description}: tensors"):
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         if not tokenizer.chat_template:
             raise ModelLoadError(f"{gguf_path.name} carries no chat template")
+        report(progress, f"{description}: metadata", 0, None)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        report(progress, f"{description}: saving", 0, None)
         _fix_generation_config(model, tokenizer)
         # The GGUF tokenizer claims an unbounded length; the model's real limit is its RoPE range.
         tokenizer.model_max_length = model.config.max_position_embeddings

@@ -22,7 +22,7 @@ from kvchat.config import ModelSettings
 from kvchat.errors import KvchatError, ModelLoadError
 from kvchat.models.device import apply_threads, choose_device, choose_dtype
 from kvchat.models.gguf import ensure_gguf_converted
-from kvchat.models.packaged import ensure_converted
+from kvchat.models.packaged import ensure_converted, is_packaged_file
 from kvchat.models.progress import ProgressCallback, quiet_transformers, report
 from kvchat.models.sources import ModelSource, resolve_model
 
@@ -96,7 +96,8 @@ def _converted_folder(source: ModelSource, progress: ProgressCallback | None) ->
     if source.kind == "packaged":
         return ensure_converted(progress)
     if source.kind == "gguf":
-        return ensure_gguf_converted(Path(source.location), progress)
+        path = Path(source.location)  # the packaged file by path shares the packaged conversion
+        return ensure_converted(progress) if is_packaged_file(path) else ensure_gguf_converted(path, progress)
     return None
 
 

