@@ -8,8 +8,9 @@ from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import RepairStrategy, ReuseMode
-from kvchat.config import ReuseSettings, Settings
-from kvchat.engine.engine import Engine
+from kvchat.config import CacheSettings, ReuseSettings, Settings
+from kvchat.engine.engine import Engine, kv_shape
+from kvchat.engine.kv_pool import KVPool
 from kvchat.engine.speculate import Speculation
 from kvchat.errors import DraftModelError
 from kvchat.models.loader import LoadedModel, load_model
@@ -42,10 +43,19 @@ def open_session(settings: Settings, progress: ProgressCallback | None = None) -
 def make_engine(loaded: LoadedModel, settings: Settings) -> Engine:
     return Engine(
         loaded.model,
-        kv_memory_bytes=settings.cache.kv_memory_mb << 20,
+        kv_memory_bytes=kv_memory_bytes(loaded, settings.cache),
         block_size=settings.cache.block_size,
         prefill_chunk=settings.cache.prefill_chunk,
     )
+
+
+def kv_memory_bytes(loaded: LoadedModel, cache: CacheSettings) -> int:
+    """The KV budget: `ctx_size` tokens in whole blocks when set, else `kv_memory_mb` MiB."""
+    if cache.ctx_size is None:
+        return cache.kv_memory_mb << 20
+    num_layers, num_kv_heads, head_dim = kv_shape(loaded.model.config)
+    per_block = KVPool.bytes_per_block(num_layers, cache.block_size, num_kv_heads, head_dim, loaded.dtype)
+    return -(-cache.ctx_size // cache.block_size) * per_block
 
 
 def check_draft_vocabulary(main: LoadedModel, draft: LoadedModel) -> None:

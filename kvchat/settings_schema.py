@@ -111,6 +111,12 @@ class CacheSettings:
     kv_memory_mb: int = setting(
         512, "Memory for the paged KV cache, in MiB.", flag="--kv-memory", range=Range(1)
     )
+    ctx_size: int | None = setting(
+        None,
+        "Size of the paged KV cache in tokens, instead of --kv-memory MiB; rounded up to whole blocks.",
+        flag="--ctx-size",
+        range=Range(1),
+    )
     block_size: int = setting(16, "Tokens per KV block.", flag="--block-size", range=Range(1, 1024))
     prefill_chunk: int = setting(
         512, "Most tokens sent through the model in one prefill pass.", range=Range(1)

@@ -35,6 +35,7 @@ from kvchat.config import load_settings
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import Speculation
 from kvchat.errors import ChunkError, StateFileError
+from kvchat.models.info import ModelInfo
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -91,6 +92,7 @@ class FakeContextManager:
         self._system: str | None = None
         self._query: str | None = None
         self._outputs: dict[int, str] = {}
+        self._num_outputs = 0
         self._hits = 0
         self._lookups = 0
 
@@ -180,6 +182,7 @@ class FakeContextManager:
     def reset(self) -> None:
         self._chunks.clear()
         self._outputs.clear()
+        self._num_outputs = 0
         self._hits = self._lookups = 0
         self.clear()
 
@@ -225,6 +228,14 @@ class FakeContextManager:
         self._context.append(turn.chunk_id)
         return self._generate(params, list(self._context))
 
+    def retry(self, params: SamplingParams) -> Stream:
+        if not self._outputs:
+            raise ChunkError("nothing to retry: no answer yet")
+        self.delete_output(max(self._outputs))
+        last = self._chunks[self._context[-1]].info if self._context else None
+        was_chat = last is not None and last.role == Role.USER
+        return self._generate(params, list(self._context) if was_chat else [*self._context, self._query])
+
     def _generate(self, params: SamplingParams, context: list[str]) -> Stream:
         self.params_seen.append(params)
         response = self.responses.pop(0) if self.responses else Response("ok")
@@ -247,7 +258,7 @@ class FakeContextManager:
 
     def _finish(self, text: str, finish: str, context: list[str]) -> InferenceResult:
         reports = [self._report(chunk_id, last=i == len(context) - 1) for i, chunk_id in enumerate(context)]
-        number = max(self._outputs, default=0) + 1
+        number = self._num_outputs = self._num_outputs + 1  # a deleted output's number is not used again
         output = self._register(Role.OUTPUT, text or "(empty)", output_number=number, finish_reason=finish)
         self._outputs[number] = output.chunk_id
         prompt = sum(r.num_tokens for r in reports)
@@ -286,6 +297,23 @@ class FakeContextManager:
             "model.device": "cpu",
             "model.threads": "1",
         }
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            self.model_id,
+            "llama",
+            "LlamaForCausalLM",
+            1_000_000,
+            "fp32",
+            2048,
+            "ChatML (the tokenizer's own)",
+            None,
+            NUM_BLOCKS * BLOCK_SIZE,
+            NUM_BLOCKS * 4096,
+            BLOCK_SIZE,
+            "cpu",
+            1,
+        )
 
     def stats(self) -> CacheStats:
         used = sum(c.info.num_blocks for c in self._chunks.values())

@@ -209,8 +209,12 @@ def test_no_stdin_at_all_is_an_empty_script(monkeypatch):
 
 
 def test_progress_callback_drives_a_bar_on_a_terminal(monkeypatch):
-    with UI(color=False, err_file=io.StringIO()).progress() as progress:
-        assert progress is None  # not a terminal: no bar
+    quiet = io.StringIO()
+    with UI(color=False, err_file=quiet).progress() as progress:  # not a terminal: no bar
+        progress("loading fake/model", 0, 1)
+        progress("converting x.gguf (once): tokenizer", 0, None)
+        progress("converting x.gguf (once): tensors", 3, 9)
+    assert quiet.getvalue() == "kvchat: converting x.gguf (once), into the cache; later starts skip this\n"
     monkeypatch.setenv("FORCE_COLOR", "1")
     err = io.StringIO()
     ui = UI(err_file=err, file=io.StringIO())

@@ -201,7 +201,6 @@ def test_delete_output():
         ("/show 42", "no chunk '42'"),
         ("/drop", "missing argument: /drop N|ID"),
         ("/mode sideways", "must be one of exact, reposition, repair"),
-        ("/set sampling.temperature", "missing argument: /set KEY VALUE"),
         ("/set sampling.temperature hot", ""),
         ("/set no.such.key 1", ""),
         ("/verify -1", "must be 1 or more"),

@@ -61,7 +61,7 @@ def test_unfence():
 def test_toolbar_shows_model_blocks_and_mode():
     h = make_harness()
     h.run("/context some words here")
-    assert toolbar(h.shell) == " fake/model · KV 1/64 blocks · reuse exact "
+    assert toolbar(h.shell) == " fake/model · KV 4/256 tokens (1/64 blocks) · reuse exact "
 
 
 def completions(h, text):

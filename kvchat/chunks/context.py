@@ -31,6 +31,7 @@ from kvchat.engine.speculate import Speculation
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
 from kvchat.interrupts import interrupts_ignored
 from kvchat.models.device import describe_runtime
+from kvchat.models.info import ModelInfo, model_info
 
 InferenceStream = Generator[PrefillProgress | StepEvent | InferenceResult, None, None]
 
@@ -163,6 +164,35 @@ class ContextManager:
         """Append a user turn, generate, and append the answer as an assistant turn."""
         turn = self.register(Role.USER, text, unique=True)
         return self._run(self.context_chunks(with_query=False) + [turn], params, turn=turn)
+
+    def retry(self, params: SamplingParams) -> InferenceStream:
+        """Generate the newest answer again from the context it came from, in its place. The answer it
+        replaces is deleted first (its pinned KV released, its blocks left cached until evicted); a
+        chat answer's user turn stays and is answered again."""
+        last, turn = self._last_answer()
+        assert last.output_number is not None
+        self.delete_output(last.output_number)
+        if turn is None:
+            return self._run(self.context_chunks(), params)
+        self.turns.remove(turn.chunk_id)  # it rejoins together with its new answer
+        return self._run(self.context_chunks(with_query=False) + [turn], params, turn=turn)
+
+    def _last_answer(self) -> tuple[Chunk, Chunk | None]:
+        """The newest output and, for a chat answer, its user turn; ChunkError when the context it was
+        generated from is no longer the current one."""
+        outputs = self.registry.outputs()
+        if not outputs:
+            raise ChunkError("nothing to retry: no answer yet")
+        last = outputs[-1]
+        is_turn = self.turns[-1:] == [last.chunk_id]
+        ids = [c.chunk_id for c in self.context_chunks(with_query=not is_turn)]
+        expected = ids[:-1] if is_turn else ids
+        if tuple(expected) != last.source_ids:
+            raise ChunkError(
+                f"the context changed since output {last.output_number} was generated; "
+                "/infer or a message answers the current one"
+            )
+        return last, self.registry.chunks[expected[-1]] if is_turn else None
 
     def infer_blocking(self, params: SamplingParams) -> InferenceResult:
         """`infer` without streaming: the InferenceResult alone."""
@@ -297,6 +327,19 @@ class ContextManager:
 
     def stats(self) -> CacheStats:
         return describe.cache_stats(self.engine.blocks, self.engine.bytes_per_block)
+
+    def model_info(self) -> ModelInfo:
+        """The model, its chat template and the KV budget (for `/info`)."""
+        engine = self.engine
+        return model_info(
+            engine.model,
+            getattr(self.tokenizer, "chat_template", None),
+            self.format.default_system_prompt,
+            model_id=self.model_id,
+            num_blocks=engine.blocks.num_blocks,
+            block_size=engine.block_size,
+            bytes_per_block=engine.bytes_per_block,
+        )
 
     # -- persistence -------------------------------------------------------------------------------
 

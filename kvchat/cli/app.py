@@ -18,16 +18,17 @@ from typer.core import TyperCommand, TyperGroup
 
 from kvchat import __version__
 from kvchat.cli.commands import Shell
+from kvchat.cli.oneshot import run_prompt
 from kvchat.cli.repl import make_prompt_session, run_interactive
 from kvchat.cli.script import run_script
 from kvchat.cli.ui import UI
-from kvchat.config import load_settings
-from kvchat.errors import KvchatError
+from kvchat.config import Settings, load_settings
+from kvchat.errors import KvchatError, ModelLoadError
+from kvchat.models.sources import missing_path
 from kvchat.settings_schema import SettingInfo, all_settings
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
-    from kvchat.config import Settings
     from kvchat.models.progress import ProgressCallback
 
     SessionFactory = Callable[[Settings, ProgressCallback | None], ContextManager]
@@ -54,13 +55,22 @@ def _setting_flag(info: SettingInfo) -> Flag:
     extra += [info.spec.note] if info.spec.note else []
     if extra:
         help = f"{help.removesuffix('.')} ({'; '.join(extra)})."
+    if info.default is not None:  # typer cannot show it: every flag defaults to None, "not given"
+        help = f"{help} Default: {_shown_default(info)}."
     # A switch has its negative too, to undo what a config file turned on.
     decls = (f"{flag}/--no-{flag[2:]}",) if info.value_type is bool else (flag,)
     return Flag(flag[2:].replace("-", "_"), info.value_type, help, decls, flag)
 
 
+def _shown_default(info: SettingInfo) -> str:
+    if info.value_type is bool:
+        return "on" if info.default else "off"
+    return str(info.default)
+
+
 FLAGS = (
     *(_setting_flag(info) for info in all_settings().values() if info.spec.flag),
+    Flag("system", str, "The system prompt, for the REPL, a script or -p.", ("--system",)),
     Flag("config", Path, "A TOML settings file instead of ~/.config/kvchat/config.toml.", ("--config",)),
 )
 
@@ -131,6 +141,15 @@ def make_app(open_session: SessionFactory | None = None) -> typer.Typer:
         version: Annotated[
             bool, typer.Option("--version", help="Print the version and exit.", is_eager=True, metavar="")
         ] = False,
+        prompt: Annotated[
+            str | None,
+            typer.Option(
+                "-p",
+                "--prompt",
+                help="Answer PROMPT once on stdout and exit (0, or 1 on failure).",
+                metavar="PROMPT",
+            ),
+        ] = None,
         flags: dict[str, Any] | None = None,
     ) -> int | None:
         """Start the chat REPL (or read commands from stdin when it is not a terminal)."""
@@ -140,7 +159,7 @@ def make_app(open_session: SessionFactory | None = None) -> typer.Typer:
         if ctx.invoked_subcommand is not None:
             ctx.obj = flags  # `kvchat --model X run FILE`: run's own flags win over these
             return None
-        return session_main(flags or {}, None, factory)
+        return session_main(flags or {}, None, factory, prompt=prompt)
 
     @app.command("run", cls=_Command)
     @with_flags
@@ -162,8 +181,10 @@ def make_app(open_session: SessionFactory | None = None) -> typer.Typer:
     return app
 
 
-def session_main(flags: dict[str, Any], script: Path | None, open_session: SessionFactory) -> int:
-    """Load settings and the model, then run the script, the piped stdin or the REPL."""
+def session_main(
+    flags: dict[str, Any], script: Path | None, open_session: SessionFactory, prompt: str | None = None
+) -> int:
+    """Load settings and the model, then answer the prompt, or run the script, the piped stdin or the REPL."""
     # Until the settings are read, the flags alone decide how an error looks.
     ui = UI(
         color=flags.get("color") is not False,
@@ -176,8 +197,11 @@ def session_main(flags: dict[str, Any], script: Path | None, open_session: Sessi
     try:
         settings = load_settings(flags.get("config"), flags=setting_flags(flags))
         ui = UI(color=settings.ui.color, json_lines=settings.ui.json, debug=settings.ui.debug)
+        check_model_paths(settings)
         with ui.progress() as progress:
-            shell = Shell(open_session(settings, progress), settings)
+            shell = Shell(open_session(settings, progress), settings, flags.get("config"))
+        if flags.get("system") is not None:
+            shell.ctx.set_system(flags["system"])
     except (KvchatError, OSError) as exc:
         ui.fatal(str(exc))
         return EXIT_CANNOT_START
@@ -189,7 +213,7 @@ def session_main(flags: dict[str, Any], script: Path | None, open_session: Sessi
         ui.exception(exc)
         return EXIT_CANNOT_START
     try:
-        return _run(shell, ui, script)
+        return run_prompt(shell, ui, prompt) if prompt is not None else _run(shell, ui, script)
     except KeyboardInterrupt:
         return EXIT_FAILED  # Ctrl-C between commands of a script: the rest did not run
 
@@ -202,6 +226,14 @@ def _run(shell: Shell, ui: UI, script: Path | None) -> int:
         history = _history_file(shell.settings)
         return run_interactive(shell, ui, make_prompt_session(shell, history, color=shell.settings.ui.color))
     return run_script(shell, ui, _stdin_bytes())
+
+
+def check_model_paths(settings: Settings) -> None:
+    """A model written as a path that is not there is told at once, before torch is even imported."""
+    for spec in (settings.model.model, settings.model.draft_model):
+        problem = missing_path(spec) if spec else None
+        if problem is not None:
+            raise ModelLoadError(problem)
 
 
 def _open_real_session(settings: Settings, progress: ProgressCallback | None) -> ContextManager:

@@ -19,7 +19,7 @@ KEYS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # lowercase marks moved KV; chunks past Z s
 CELL = 3  # a key letter, a marker, a space
 PCT = 7  # a space and "100.0%"
 MAX_BAR = 24
-MARKERS = "+ pinned  * pinned, shared  = shared  . cached  ·· free  lowercase: moved KV"
+MARKERS = "+ pinned  * pinned, shared  = shared  . cached  ·· free  - no chunk  lowercase: moved KV"
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,10 @@ def _legend(m: BlockMap, keys: dict[str, tuple[str, str]]) -> RenderableType:
     for k in m.chunks:
         key, color = keys[k.chunk_id]
         role = f"output {k.output_number}" if k.output_number is not None else str(k.role)
+        plural = "s" if k.num_blocks != 1 else ""
         grid.add_row(
             Text(key, style=f"bold black on {color}"),
-            f"#{k.number} {role} {k.chunk_id} · {k.num_blocks} block{'s' if k.num_blocks != 1 else ''}",
+            f"#{k.number} {role} {k.chunk_id} · tokens in {k.num_blocks} block{plural}",
         )
     return Group(grid, Text(MARKERS, style="muted"))
 

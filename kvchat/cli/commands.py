@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from kvchat.chunks.blockmap import BlockMap, cache_map
 from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, ReuseMode
 from kvchat.chunks.view_records import AttentionReport, Comparison
-from kvchat.cli import cache_commands
+from kvchat.cli import cache_commands, habit_commands
 from kvchat.cli.arguments import count, read_text
 from kvchat.cli.registry import ArgKind, Command, CommandRegistry, command, split_command
 from kvchat.cli.results import (
@@ -26,7 +26,15 @@ from kvchat.cli.results import (
     Quit,
     SettingsView,
 )
-from kvchat.cli.settings import setting_info, setting_values, shown_value
+from kvchat.cli.settings import (
+    one_setting,
+    restart_hint,
+    set_help,
+    setting_info,
+    setting_values,
+    shown_value,
+    user_config_file,
+)
 from kvchat.config import replace_setting
 from kvchat.errors import CommandError
 
@@ -38,9 +46,11 @@ if TYPE_CHECKING:
 class Shell:
     """What the REPL and the script runner drive: `execute` one line, get a record back."""
 
-    def __init__(self, ctx: ContextManager, settings: Settings) -> None:
+    def __init__(self, ctx: ContextManager, settings: Settings, config_file: Path | None = None) -> None:
         self.ctx = ctx
         self.settings = settings
+        self.started_model = settings.model  # what /info describes; /set model.* waits for a restart
+        self.config_file = user_config_file(config_file)  # where /set says a setting can be kept
         self.commands = CommandRegistry(self)
 
     def execute(self, line: str) -> tuple[str, Any]:
@@ -107,6 +117,8 @@ class Shell:
         """
         return Inference(self.ctx.infer(self.settings.sampling))
 
+    retry = habit_commands.retry
+
     @command("output", "List the retained outputs")
     def output(self, arg: str) -> OutputList:
         """Every answer is kept, with its KV pinned, until /delete-output.
@@ -126,7 +138,7 @@ class Shell:
         """
         return ChunkChange("added output", self.ctx.use_output(count(arg)))
 
-    @command("delete-output", "Delete retained output N", usage="N", arg=ArgKind.OUTPUT)
+    @command("delete-output", "Delete retained output N", usage="N", arg=ArgKind.OUTPUT, destructive=True)
     def delete_output(self, arg: str) -> ChunkChange:
         """Removes retained output N from the context and the chunk list, and releases its pinned KV."""
         return ChunkChange("deleted output", self.ctx.delete_output(count(arg)))
@@ -178,7 +190,7 @@ class Shell:
         """
         return ChunkChange("dropped", self.ctx.drop(arg))
 
-    @command("clear", "Empty the context; chunks and outputs are kept")
+    @command("clear", "Empty the context; chunks and outputs are kept", destructive=True)
     def clear(self, arg: str) -> Notice:
         """Empties the context: no system prompt, passages, turns or query. Chunks, retained outputs and
         cached KV stay, so composing the context again reuses them.
@@ -186,7 +198,7 @@ class Shell:
         self.ctx.clear()
         return Notice("context cleared; chunks and outputs kept")
 
-    @command("reset", "Delete every chunk and output; free every block")
+    @command("reset", "Delete every chunk and output; free every block", destructive=True)
     def reset(self, arg: str) -> Notice:
         """Deletes every chunk and retained output and frees every KV block; the hit counts of /stats
         start again from zero. Settings are kept.
@@ -206,6 +218,8 @@ class Shell:
           hit rate    prompt tokens found in the cache, of those looked up, since start or /reset
         """
         return self.ctx.stats()
+
+    info = habit_commands.info
 
     @command("blocks", "Map of the KV pool: each block's chunk, sharing, pins, moved KV")
     def blocks(self, arg: str) -> BlockMap:
@@ -246,18 +260,19 @@ class Shell:
         """
         return cache_commands.compare(self.ctx, arg, self.settings.sampling)
 
-    @command("set", "Change a setting, or list them all", usage="[KEY VALUE]", arg=ArgKind.SETTING)
+    @command(
+        "set",
+        "Change a setting, show one, or list them all",
+        usage="[KEY [VALUE]]",
+        arg=ArgKind.SETTING,
+        details=set_help(),
+    )
     def set(self, arg: str) -> SettingsView | Notice:
-        """Without arguments, lists every setting. KEY is table.key (sampling.temperature) or a key
-        unique across tables (temperature). sampling.*, reuse.mode, reuse.verify_tokens and
-        ui.show_thinking apply at once; the others when kvchat starts again. Defaults are in
-        configs/default.toml, overridden by your config file and the command-line flags.
-        """
         if not arg:
             return SettingsView(setting_values(self.settings), self.ctx.resolved_settings())
         typed_key, _, value = arg.partition(" ")
         if not value.strip():
-            raise CommandError("missing argument: /set KEY VALUE")
+            return one_setting(self.settings, typed_key, self.ctx.resolved_settings())
         info = setting_info(typed_key)
         settings = replace_setting(self.settings, info.key, value.strip())
         new_value = setting_values(settings)[info.key]
@@ -272,7 +287,7 @@ class Shell:
             self.ctx.speculation = self.ctx.speculation.with_settings(decode.speculate, decode.draft_max)
         self.settings = settings
         # Settings that are not live are read once, when kvchat starts.
-        later = "" if info.spec.live else " (takes effect when kvchat starts again)"
+        later = "" if info.spec.live else f" ({restart_hint(info, new_value, self.config_file)})"
         return Notice(f"{info.key} = {shown_value(new_value)}{later}", {"key": info.key, "value": new_value})
 
     @command(
@@ -337,13 +352,15 @@ class Shell:
             f"loaded {num_chunks} chunks from {path}", {"path": str(path), "num_chunks": num_chunks}
         )
 
-    @command("help", "List the commands, or explain one", usage="[COMMAND]", arg=ArgKind.COMMAND)
+    @command(
+        "help", "List the commands, or explain one", usage="[COMMAND]", arg=ArgKind.COMMAND, aliases=("?",)
+    )
     def help(self, arg: str) -> HelpView:
         """Without an argument, lists the commands; with one (with or without its /), explains it."""
         topic: Command | None = self.commands.get(arg.removeprefix("/")) if arg else None
         return HelpView(list(self.commands), topic)
 
-    @command("quit", "Leave kvchat", aliases=("exit",))
+    @command("quit", "Leave kvchat", aliases=("exit", "bye"), destructive=True)
     def quit(self, arg: str) -> Quit:
         """Leaves kvchat (Ctrl-D too). Nothing is saved: use /save first to keep the session."""
         return Quit()

@@ -21,6 +21,7 @@ from kvchat.cli.results import (
     Quit,
     SettingsView,
 )
+from kvchat.models.info import ModelInfo
 
 
 def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, Any]:
@@ -30,7 +31,7 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
     (true/false), `error` (null or one line) and, when read from a script or stdin, `line` (where the
     command starts, 1-based). The rest depends on the command:
 
-    - chat, infer: `output` (the text), `output_number`, `chunk_id`, `finish_reason` ("stop",
+    - chat, infer, retry: `output` (the text), `output_number`, `chunk_id`, `finish_reason` ("stop",
       "stop_string", "length", "cancelled"), `mode`, `prompt_tokens`, `reused_tokens`,
       `repositioned_tokens`, `computed_tokens`, `generated_tokens`, `ttft_s`, `prefill_tok_s`,
       `decode_tok_s`, `had_think`, `drafted_tokens` and `accepted_tokens` (speculative decoding),
@@ -46,7 +47,8 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
     - show: `chunk`, a chunk object plus `token_ids`, `positions` and `kv_positions` (each
       `[start, stop)` as a two-number list, or null), `block_ids`, `had_think`, `source`.
     - stats: `stats` with `num_blocks`, `num_used`, `num_pinned`, `num_cached`, `num_free`,
-      `block_size`, `bytes_total`, `bytes_per_block`, `hit_tokens`, `lookup_tokens`, `hit_rate`.
+      `block_size`, `bytes_total`, `bytes_per_block`, `hit_tokens`, `lookup_tokens`, `hit_rate`,
+      `num_tokens` (the budget in tokens: blocks times block size) and `num_used_tokens`.
     - verify: `fidelity` with `mode`, `kl_divergence`, `top1_agree`, `top5_overlap`,
       `max_logit_diff`, `greedy_agree`, `greedy_tokens`, `top1_rate`, `reused_tokens`, `repositioned_tokens`,
       `computed_tokens`.
@@ -65,7 +67,11 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
     - show with heat: `chunk` as for show, `output_number`, `pieces` (each token's text) and `heat`
       (each token's share of the answer's attention).
     - set: `settings` ({"table.key": value}) and `resolved` (what `auto` model settings resolved to,
-      {"model.dtype": "bf16", ...}) when listing; `key` and `value` when changing one.
+      {"model.dtype": "bf16", ...}) when listing; `key` and `value` when showing or changing one
+      (showing adds `resolved` where `auto` resolved to something).
+    - info: `info` with `model_id`, `source`, `family`, `architecture`, `num_parameters`, `dtype`,
+      `quantization`, `context_length`, `chat_template`, `default_system_prompt`, `kv_tokens`,
+      `kv_bytes`, `block_size`, `device`, `threads`.
     - mode: `mode`. save, load: `path`, `num_chunks`. clear, reset: `message`.
     - help: `commands`, a list of {`name`, `usage`, `summary`, `aliases`}; `/help NAME` adds `command`,
       with `details` (the longer help).
@@ -117,7 +123,9 @@ def _fields(record: object) -> dict[str, Any]:
             detail = asdict(record)
             return {"chunk": {**detail.pop("info"), **detail}}
         case CacheStats():
-            return {"stats": {**asdict(record), "hit_rate": record.hit_rate}}
+            tokens = {"num_tokens": record.num_blocks * record.block_size}
+            tokens["num_used_tokens"] = record.num_used * record.block_size
+            return {"stats": {**asdict(record), **tokens, "hit_rate": record.hit_rate}}
         case FidelityReport():
             return {"fidelity": asdict(record)}
         case BlockMap():
@@ -139,6 +147,8 @@ def _fields(record: object) -> dict[str, Any]:
         case HelpView(commands=commands, topic=topic):
             topic_fields = {"command": {**_command_fields(topic), "details": topic.details}} if topic else {}
             return {"commands": [_command_fields(c) for c in commands], **topic_fields}
+        case ModelInfo():
+            return {"info": asdict(record)}
         case Notice(text=text, data=data):
             return data or {"message": text}
         case Quit():

@@ -17,6 +17,7 @@ from typing import Any
 from kvchat.errors import CommandError
 
 PREFIX = "/"
+SUGGEST_CUTOFF = 0.75  # difflib similarity: one typo in a short name (/stat, /quti), not /bogus for /blocks
 _MARK = "_kvchat_command"
 
 
@@ -46,6 +47,7 @@ class Command:
     arg: ArgKind
     handler: Callable[[str], Any]
     details: str = ""
+    destructive: bool = False  # deletes what cannot be had back: never offered as "did you mean"
 
     @property
     def needs_argument(self) -> bool:
@@ -57,16 +59,22 @@ class Command:
 
 
 def command(
-    name: str, summary: str, *, usage: str = "", aliases: tuple[str, ...] = (), arg: ArgKind = ArgKind.NONE
+    name: str,
+    summary: str,
+    *,
+    usage: str = "",
+    aliases: tuple[str, ...] = (),
+    arg: ArgKind = ArgKind.NONE,
+    details: str | None = None,
+    destructive: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Mark a method `(self, arg: str) -> record` as the handler of `/name`; its docstring is the
-    longer help."""
+    longer help unless `details` (text built from data, such as the settings schema) is given."""
 
     def mark(func: Callable[..., Any]) -> Callable[..., Any]:
-        details = inspect.getdoc(func) or ""
-        setattr(
-            func, _MARK, Command(name, summary, usage, aliases, arg, func, details)
-        )  # bound per owner later
+        text = (inspect.getdoc(func) or "") if details is None else details
+        cmd = Command(name, summary, usage, aliases, arg, func, text, destructive)
+        setattr(func, _MARK, cmd)  # bound per owner later
         return func
 
     return mark
@@ -95,7 +103,8 @@ class CommandRegistry:
         """The command called `name` (or an alias); CommandError with the closest match otherwise."""
         if name in self._names:
             return self._commands[self._names[name]]
-        close = difflib.get_close_matches(name, self._names, n=1, cutoff=0.5)
+        offered = [n for n, cmd_name in self._names.items() if not self._commands[cmd_name].destructive]
+        close = difflib.get_close_matches(name, offered, n=1, cutoff=SUGGEST_CUTOFF)
         hint = f"; did you mean {PREFIX}{close[0]}?" if close else f"; {PREFIX}help lists the commands"
         raise CommandError(f"unknown command {PREFIX}{name}{hint}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from prompt_toolkit import PromptSession
+from prompt_toolkit.application import get_app
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
@@ -24,6 +25,7 @@ from kvchat.cli.ui import UI
 
 FENCE = '"""'
 PROMPT = "› "
+MIN_NAME_WIDTH = 12  # the model name keeps at least this much of its end
 
 
 def run_interactive(shell: Shell, ui: UI, session: PromptSession[str]) -> int:
@@ -65,16 +67,41 @@ def make_prompt_session(
         complete_while_typing=False,
         multiline=True,
         key_bindings=_key_bindings(),
-        bottom_toolbar=lambda: toolbar(shell),
+        bottom_toolbar=lambda: toolbar(shell, _terminal_width()),
         color_depth=None if color else ColorDepth.MONOCHROME,
         input=input,
         output=output,
     )
 
 
-def toolbar(shell: Shell) -> str:
+def toolbar(shell: Shell, width: int | None = None) -> str:
+    """The model, the KV cache in use (tokens and blocks) and the reuse mode; within `width`
+    columns the model name is shortened, never the rest."""
     stats = shell.ctx.stats()
-    return f" {shell.ctx.model_id} · KV {stats.num_used}/{stats.num_blocks} blocks · reuse {shell.ctx.mode} "
+    used, total = stats.num_used * stats.block_size, stats.num_blocks * stats.block_size
+    tail = (
+        f" · KV {used:,}/{total:,} tokens ({stats.num_used}/{stats.num_blocks} blocks)"
+        f" · reuse {shell.ctx.mode} "
+    )
+    room = None if width is None else width - len(tail) - 1
+    return f" {short_name(shell.ctx.model_id, room)}{tail}"
+
+
+def short_name(model_id: str, width: int | None) -> str:
+    """`model_id` in at most `width` characters: a path by its file name, then cut from the left."""
+    if width is None or len(model_id) <= width:
+        return model_id
+    name = model_id.rstrip("/").rsplit("/", 1)[-1] if model_id.startswith(("/", "~", ".")) else model_id
+    name = f"…/{name}" if name != model_id else name
+    width = max(width, MIN_NAME_WIDTH)
+    return name if len(name) <= width else "…" + name[-(width - 1) :]
+
+
+def _terminal_width() -> int | None:
+    try:
+        return get_app().output.get_size().columns
+    except Exception:  # no running application (a test drawing the toolbar by hand)
+        return None
 
 
 def unfence(text: str) -> str:

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 from rich.console import Console, RenderableType
-from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 from rich.theme import Theme
 
@@ -29,9 +29,12 @@ from kvchat.cli.results import (
 )
 from kvchat.cli.softwrap import SoftWrap
 from kvchat.engine.records import PrefillProgress
+from kvchat.models.info import ModelInfo
 
 if TYPE_CHECKING:
     from kvchat.models.progress import ProgressCallback
+
+CONVERTING = "converting"  # how kvchat.models.gguf's conversion stages are described (not imported: torch)
 
 THEME = Theme(
     {
@@ -132,6 +135,17 @@ class UI:
         for renderable in _renderables(record):
             self._print(self.console, renderable)
 
+    def answer_done(self, cmd: str, result: InferenceResult) -> None:
+        """End a streamed answer shown alone (`kvchat -p`): a newline, or with --json its JSON object."""
+        self._end_prefill()
+        self._end_stream()
+        if self.json_lines:
+            self._json(jsonout.result_json(cmd, result))
+
+    def warn(self, message: str) -> None:
+        """One line on stderr about something that worked, but not quite as asked."""
+        self._print(self.err_console, Text(f"kvchat: {message}", style="warning"))
+
     def error(self, cmd: str | None, message: str, line: int | None = None) -> None:
         """One red line on stderr for a command that failed (answers alone go to stdout); with --json
         its JSON object goes to stdout too, in the stream's order. The session goes on."""
@@ -176,26 +190,42 @@ class UI:
             )
 
     @contextmanager
-    def progress(self) -> Iterator[ProgressCallback | None]:
-        """A progress bar on stderr driven by the callback it yields; None when stderr is no terminal."""
+    def progress(self) -> Iterator[ProgressCallback]:
+        """A progress bar on stderr driven by the callback it yields, one stage at a time (a stage
+        without a count pulses). When stderr is no terminal, only a slow GGUF conversion is told, in
+        one line, so a script's first run does not sit silent."""
         if not self.err_console.is_terminal:
-            yield None
+            yield self._progress_line()
             return
         columns = (
             TextColumn("{task.description}"),
             BarColumn(),
-            TextColumn("{task.percentage:>3.0f}%"),
+            TaskProgressColumn(show_speed=False),
             TimeElapsedColumn(),
         )
         with Progress(*columns, console=self.err_console, transient=True) as bar:
-            tasks: dict[str, TaskID] = {}
+            current: list[tuple[str, TaskID]] = []  # the stage shown: its description and task
 
             def report(description: str, completed: float, total: float | None) -> None:
-                if description not in tasks:
-                    tasks[description] = bar.add_task(description, total=total)
-                bar.update(tasks[description], completed=completed, total=total)
+                if not current or current[0][0] != description:
+                    if current:
+                        bar.remove_task(current.pop()[1])
+                    current.append((description, bar.add_task(description, total=total)))
+                bar.update(current[0][1], completed=completed, total=total)
 
             yield report
+
+    def _progress_line(self) -> ProgressCallback:
+        told: set[str] = set()
+
+        def report(description: str, completed: float, total: float | None) -> None:
+            head = description.partition(":")[0]
+            if head.startswith(CONVERTING) and head not in told:
+                told.add(head)
+                line = Text(f"kvchat: {head}, into the cache; later starts skip this", style="muted")
+                self._print(self.err_console, line)
+
+        return report
 
 
 def _renderables(record: object) -> list[RenderableType]:
@@ -227,6 +257,8 @@ def _renderables(record: object) -> list[RenderableType]:
             return [cacheviews.heat_view(record)]
         case HelpView():
             return [views.help_view(record)]
+        case ModelInfo():
+            return [views.info_table(record)]
         case Notice(text=text):
             return [Text(text, style="ok")]
         case Quit():

@@ -16,6 +16,7 @@ from kvchat.chunks.types import (
 )
 from kvchat.cli.results import ChunkChange, HelpView, SettingsView
 from kvchat.cli.settings import shown_value
+from kvchat.models.info import ModelInfo
 
 PREVIEW_CHARS = 48
 SHOWN_TOKEN_IDS = 64
@@ -146,6 +147,11 @@ def stats_table(stats: CacheStats) -> RenderableType:
         f"{stats.num_used} used · {stats.num_pinned} pinned · {stats.num_cached} cached · "
         f"{stats.num_free} free · {stats.num_blocks} total",
     )
+    table.add_row(
+        "tokens",
+        f"{stats.num_used * stats.block_size:,} in used blocks · "
+        f"{stats.num_blocks * stats.block_size:,} total (the context size)",
+    )
     table.add_row("block size", f"{stats.block_size} tokens · {human_bytes(stats.bytes_per_block)}")
     table.add_row(
         "KV memory",
@@ -216,6 +222,29 @@ def settings_table(view: SettingsView) -> RenderableType:
     table = Table("setting", "value", box=None, pad_edge=False)
     for key, value in view.values.items():
         table.add_row(key, shown_value(value, view.resolved.get(key)))
+    return table
+
+
+def info_table(info: ModelInfo) -> RenderableType:
+    table = Table.grid(padding=(0, 2))
+    table.add_row("model", info.model_id)
+    table.add_row("source", info.source or "—")
+    table.add_row("family", f"{info.family} ({info.architecture})")
+    table.add_row("parameters", f"{info.num_parameters:,} ({info.num_parameters / 1e6:.0f}M)")
+    table.add_row("dtype", info.dtype)
+    table.add_row("quantization", info.quantization)
+    context = f"{info.context_length:,} tokens" if info.context_length else "not stated"
+    table.add_row("context length", context)
+    template = info.chat_template
+    if info.default_system_prompt:
+        template += f"; with no system prompt it inserts {preview(info.default_system_prompt, 40)!r}"
+    table.add_row("chat template", template)
+    table.add_row(
+        "KV budget",
+        f"{info.kv_tokens:,} tokens · {human_bytes(info.kv_bytes)} · blocks of {info.block_size} tokens",
+    )
+    table.add_row("device", info.device)
+    table.add_row("threads", str(info.threads))
     return table
 
 

@@ -64,6 +64,9 @@ def resolve_model(spec: str) -> ModelSource:
     alias = aliases.get(spec.lower())
     if alias is not None:
         return ModelSource("packaged" if alias.packaged else "hub", alias.hub_id)
+    missing = missing_path(spec)
+    if missing is not None:
+        raise ModelLoadError(missing)
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -76,6 +79,19 @@ def resolve_model(spec: str) -> ModelSource:
     if _HUB_ID.fullmatch(spec) and ".." not in spec:
         return ModelSource("hub", spec)
     raise ModelLoadError(_unknown_message(f"unknown model {spec!r}", aliases))
+
+
+def missing_path(spec: str) -> str | None:
+    """Why `spec` names no model when it is written as a path (`./x`, `/x`, `~/x`, `x/`, `x.gguf`)
+    that does not exist, else None. Cheap, so kvchat can say it before loading anything."""
+    spec = spec.strip()
+    path = Path(spec).expanduser()
+    if spec.lower().endswith(".gguf"):
+        return None if path.is_file() else f"GGUF file not found: {path}"
+    written_as_path = spec.startswith(("/", "./", "../", "~")) or spec.endswith("/") or spec in (".", "..")
+    if written_as_path and not path.exists():
+        return f"no such model folder: {path}"
+    return None
 
 
 def _unknown_message(problem: str, aliases: dict[str, Alias]) -> str:

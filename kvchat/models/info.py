@@ -1,0 +1,82 @@
+"""What `/info` tells about the model a session runs: read off the loaded model, its tokenizer and the
+KV pool's size. Plain data: the CLI renders it. torch is imported where a model is read, so that the
+CLI can name the record without loading torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Markers of the common chat template families, checked in order against the template's text.
+_TEMPLATE_FAMILIES = (
+    ("<|im_start|>", "ChatML"),
+    ("<|start_header_id|>", "Llama 3"),
+    ("[INST]", "Llama 2 / Mistral"),
+    ("<start_of_turn>", "Gemma"),
+)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model of a session. `source` and `quantization` are filled by whoever knows the settings
+    it was started with (the shell); the rest comes from the loaded objects."""
+
+    model_id: str
+    family: str  # the config's model_type, e.g. "llama", "qwen2"
+    architecture: str  # e.g. "LlamaForCausalLM"
+    num_parameters: int
+    dtype: str  # bf16, fp32, fp16
+    context_length: int | None  # the most positions the model was trained for
+    chat_template: str  # its family (ChatML, ...) or "none: a plain fallback"
+    default_system_prompt: str | None  # what the template inserts when no system prompt is set
+    kv_tokens: int  # the KV budget: blocks times block size
+    kv_bytes: int
+    block_size: int
+    device: str
+    threads: int
+    source: str = ""  # where the weights came from: "packaged GGUF at ...", "local folder ...", ...
+    quantization: str = "none"
+
+
+def model_info(
+    model: Any,
+    chat_template: str | None,
+    default_system_prompt: str | None,
+    *,
+    model_id: str,
+    num_blocks: int,
+    block_size: int,
+    bytes_per_block: int,
+) -> ModelInfo:
+    """Describe a loaded transformers model with the KV pool built over it."""
+    import torch
+
+    from kvchat.models.device import DTYPE_NAMES
+
+    param = next(model.parameters())
+    config = model.config
+    return ModelInfo(
+        model_id=model_id,
+        family=str(getattr(config, "model_type", "") or "unknown"),
+        architecture=", ".join(getattr(config, "architectures", None) or [type(model).__name__]),
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        dtype=DTYPE_NAMES.get(param.dtype, str(param.dtype).removeprefix("torch.")),
+        context_length=getattr(config, "max_position_embeddings", None),
+        chat_template=template_family(chat_template),
+        default_system_prompt=default_system_prompt,
+        kv_tokens=num_blocks * block_size,
+        kv_bytes=num_blocks * bytes_per_block,
+        block_size=block_size,
+        device=str(param.device),
+        threads=torch.get_num_threads(),
+    )
+
+
+def template_family(template: str | None) -> str:
+    """A chat template's family by its markers, or what stands in for a missing one."""
+    if not template:
+        return "none (kvchat's plain fallback)"
+    for marker, family in _TEMPLATE_FAMILIES:
+        if marker in template:
+            return f"{family} (the tokenizer's own)"
+    return "the tokenizer's own"

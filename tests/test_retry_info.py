@@ -1,0 +1,80 @@
+"""/retry, /info and --ctx-size on the real ContextManager over a tiny random model."""
+
+import types
+
+import pytest
+import torch
+
+from kvchat.chunks.types import Role
+from kvchat.config import CacheSettings
+from kvchat.engine.engine import Engine
+from kvchat.engine.sampling import SamplingParams
+from kvchat.errors import ChunkError
+from kvchat.session import kv_memory_bytes
+from tests.test_context import drain, make_manager
+from tests.tiny_models import make_tiny_model
+
+GREEDY = SamplingParams(max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama", vocab_size=49152)
+
+
+def held_equal_to_references(cm) -> bool:
+    held = cm.held_blocks()
+    return all(cm.engine.blocks.blocks[b].ref_count == n for b, n in held.items())
+
+
+def test_retry_of_a_chat_answer_replaces_it_and_greedy_gives_it_back(model):
+    cm = make_manager(model)
+    first = drain(cm.chat("tell me about rivers", GREEDY))
+    again = drain(cm.retry(GREEDY))
+    assert again.token_ids == first.token_ids and again.output_number == 2
+    assert [o.output_number for o in cm.outputs()] == [2]  # output 1 was deleted
+    turns = [cm.registry.chunks[i] for i in cm.turns]
+    assert [t.role for t in turns] == [Role.USER, Role.OUTPUT] and turns[1].output_number == 2
+    assert held_equal_to_references(cm)
+    drain(cm.chat("and the sea?", GREEDY))  # the conversation goes on after the new answer
+    assert len(cm.turns) == 4
+
+
+def test_retry_of_an_inference_and_when_the_context_changed(model):
+    cm = make_manager(model)
+    with pytest.raises(ChunkError, match="nothing to retry"):
+        cm.retry(GREEDY)
+    cm.add_context("the cat sat on a mat")
+    cm.set_query("where did the cat sit")
+    first = drain(cm.infer(GREEDY))
+    again = drain(cm.retry(GREEDY))
+    assert again.text == first.text and [o.output_number for o in cm.outputs()] == [2]
+    cm.set_query("what fell over the hills")
+    with pytest.raises(ChunkError, match="context changed since output 2"):
+        cm.retry(GREEDY)
+    cm.use_output(2)
+    cm.set_query("where did the cat sit")
+    with pytest.raises(ChunkError, match="context changed"):
+        cm.retry(GREEDY)  # output 2 is in the context now
+    assert [o.output_number for o in cm.outputs()] == [2]  # a refused retry deleted nothing
+
+
+def test_model_info_reads_the_model_and_the_pool(model):
+    cm = make_manager(model, block_size=4, kv_memory=1 << 20)
+    info = cm.model_info()
+    assert info.family == "llama" and info.architecture == "LlamaForCausalLM"
+    assert info.num_parameters == sum(p.numel() for p in model.parameters())
+    assert info.dtype == "fp32" and info.context_length == 8192 and info.device == "cpu"
+    assert info.kv_tokens == cm.engine.blocks.num_blocks * 4 and info.kv_bytes <= 1 << 20
+    assert info.chat_template.startswith("ChatML") and info.quantization == "none"
+    assert info.threads == torch.get_num_threads()
+
+
+def test_ctx_size_gives_at_least_that_many_tokens_in_whole_blocks(model):
+    loaded = types.SimpleNamespace(model=model, dtype=torch.float32)
+    for ctx_size in (1, 100, 1000):
+        cache = CacheSettings(ctx_size=ctx_size, block_size=16)
+        engine = Engine(model, kv_memory_bytes=kv_memory_bytes(loaded, cache), block_size=16)
+        num_tokens = engine.blocks.num_blocks * 16
+        assert ctx_size <= num_tokens < ctx_size + 16
+    assert kv_memory_bytes(loaded, CacheSettings(kv_memory_mb=3)) == 3 << 20  # unset: MiB decide
