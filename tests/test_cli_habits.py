@@ -280,3 +280,28 @@ def test_help_shows_the_defaults():
     text = " ".join(result.stdout.split())
     assert "Default: 512." in text and "Default: smollm2-135m." in text and "--prompt -p" in text
     assert "--ctx-size" in text and "--system" in text
+
+
+# -- keys typed while an answer streams ----------------------------------------------------------------
+
+
+def test_keys_typed_during_a_command_are_not_echoed_and_wait_for_the_next_prompt(monkeypatch):
+    import os
+    import pty
+    import select
+    import termios
+
+    from kvchat.cli.repl import keys_held
+
+    master, slave = pty.openpty()
+    with open(slave, "rb", buffering=0, closefd=False) as stdin:
+        monkeypatch.setattr("sys.stdin", stdin)
+        before = termios.tcgetattr(slave)
+        with keys_held():
+            os.write(master, b"/mode bogus\n")
+            echoed, _, _ = select.select([master], [], [], 0.2)
+            assert echoed == []  # nothing printed into the answer
+        assert termios.tcgetattr(slave) == before
+        assert os.read(slave, 100) == b"/mode bogus\n"  # still there for the next prompt
+    os.close(master)
+    os.close(slave)

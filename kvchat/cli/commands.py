@@ -151,7 +151,8 @@ class Shell:
           role    system, context, query, user, or output N
           id      short hash of its role and tokens (a unique prefix works too)
           tokens  its tokens in the chat template
-          blocks  KV blocks holding its KV now (0: none kept)
+          blocks  blocks of the KV kept for it (0: none kept; the live conversation's blocks,
+                  which /blocks also counts, are not its own)
           refs    references on those blocks (sequences and chunks sharing them)
           place   its place in the context, — when not in it
           pin     yes when its blocks are pinned (retained outputs are never evicted)
@@ -224,10 +225,16 @@ class Shell:
     @command("blocks", "Map of the KV pool: each block's chunk, sharing, pins, moved KV")
     def blocks(self, arg: str) -> BlockMap:
         """One cell per block of the KV pool, lettered by the chunk whose KV it holds (the legend gives
-        each letter's chunk number, role, id and block count). Marks: + pinned (a retained output),
-        * pinned and shared, = shared (more than one reference), . cached (unreferenced, reusable KV,
-        evicted least recently used first), ·· free. A lowercase letter: the block holds moved
-        (repositioned, not exact) KV. Long runs of equal cells are one line with their block range.
+        each letter's chunk number, role, id and the blocks its tokens are in). Marks: + pinned (a
+        retained output), * pinned and shared, = shared (more than one reference), . cached
+        (unreferenced, reusable KV, evicted least recently used first), ·· free. A lowercase letter:
+        the block holds moved (repositioned, not exact) KV. The letter - : KV of no registered chunk
+        (the answer prompt, or a deleted chunk's), so -. is such a block left cached. Long runs of
+        equal cells are one line with their block range.
+        The legend counts every block holding a chunk's tokens: its own kept KV and the live
+        conversation's blocks (a block shared by two chunks counts for both). /chunks counts only
+        the blocks kept for the chunk itself, so a query or a user turn, held only by the live
+        conversation, shows blocks here and 0 there.
         """
         return cache_map(self.ctx)
 

@@ -8,6 +8,11 @@ generating it stops the output and keeps what came so far); Ctrl-D quits.
 
 from __future__ import annotations
 
+import os
+import sys
+import termios
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from prompt_toolkit import PromptSession
@@ -41,11 +46,38 @@ def run_interactive(shell: Shell, ui: UI, session: PromptSession[str]) -> int:
         if not text:
             continue
         try:
-            status = run_line(shell, ui, text)
+            with keys_held():
+                status = run_line(shell, ui, text)
         except KeyboardInterrupt:
             continue  # a Ctrl-C that missed the generation (e.g. while a table printed)
         if status is Status.QUIT:
             return 0
+
+
+@contextmanager
+def keys_held() -> Iterator[None]:
+    """While a command runs, keys typed on the terminal are not echoed into its output: they wait,
+    unread, and the next prompt takes them as typed-ahead input. Ctrl-C still interrupts."""
+    fd = _terminal_fd()
+    if fd is None:
+        yield
+        return
+    saved = termios.tcgetattr(fd)
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | termios.ICANON)  # lflags; ISIG stays, so Ctrl-C is still SIGINT
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)  # TCSANOW: keep what was typed meanwhile
+
+
+def _terminal_fd() -> int | None:
+    try:
+        fd = sys.stdin.fileno()
+    except (AttributeError, ValueError, OSError):
+        return None
+    return fd if os.isatty(fd) else None
 
 
 def make_prompt_session(
