@@ -104,7 +104,7 @@ def test_stats_and_the_toolbar_speak_tokens_too():
     h.run("/context one two three four five")
     h.take()
     h.run("/stats")
-    assert "8 in used blocks · 256 total (the context size)" in h.take()
+    assert "8 in used blocks · 256 in all (the KV budget)" in h.take()
     h = make_harness(json_lines=True)
     h.run("/stats")
     stats = json.loads(h.take())["stats"]

@@ -150,7 +150,7 @@ def stats_table(stats: CacheStats) -> RenderableType:
     table.add_row(
         "tokens",
         f"{stats.num_used * stats.block_size:,} in used blocks · "
-        f"{stats.num_blocks * stats.block_size:,} total (the context size)",
+        f"{stats.num_blocks * stats.block_size:,} in all (the KV budget)",
     )
     table.add_row("block size", f"{stats.block_size} tokens · {human_bytes(stats.bytes_per_block)}")
     table.add_row(
