@@ -78,3 +78,35 @@ def test_ctx_size_gives_at_least_that_many_tokens_in_whole_blocks(model):
         num_tokens = engine.blocks.num_blocks * 16
         assert ctx_size <= num_tokens < ctx_size + 16
     assert kv_memory_bytes(loaded, CacheSettings(kv_memory_mb=3)) == 3 << 20  # unset: MiB decide
+
+
+def test_compare_tells_each_mode_as_it_answers_and_compares_the_same(model):
+    from kvchat.cli import cache_commands
+
+    cm = make_manager(model)
+    cm.add_context("the cat sat on a mat while rain fell")
+    cm.set_query("where did the cat sit")
+    drain(cm.infer(GREEDY))
+    notes: list[str] = []
+    told = cache_commands.compare(cm, "", GREEDY, notes.append)
+    assert notes[0] == "answering under exact, reposition, repair, greedily, up to 6 tokens each"
+    assert [n.split(" answered")[0] for n in notes[1:]] == ["reposition", "repair", "exact"]  # exact last
+    assert all(f"({i} of 3)" in n for i, n in enumerate(notes[1:], 1))
+    untold = cache_commands.compare(cm, "", GREEDY)
+    assert [r.token_ids for r in told.results] == [r.token_ids for r in untold.results]
+
+
+def test_notes_go_to_a_terminal_only(monkeypatch):
+    import io
+
+    from kvchat.cli.ui import UI
+
+    err = io.StringIO()
+    UI(err_file=err).note("working")
+    assert err.getvalue() == ""  # not a terminal: scripts stay quiet
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich takes the file for a terminal
+    UI(err_file=err).note("working")
+    assert "working" in err.getvalue()
+    err = io.StringIO()
+    UI(err_file=err, json_lines=True).note("working")
+    assert err.getvalue() == ""

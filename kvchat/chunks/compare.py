@@ -9,6 +9,7 @@ would otherwise be found, and shared, by the modes after it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -23,8 +24,14 @@ if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
 
 
-def compare_modes(cm: ContextManager, modes: list[ReuseMode], params: SamplingParams) -> Comparison:
-    """Answer the current query under each mode (greedy, up to `params.max_tokens`), keeping nothing."""
+def compare_modes(
+    cm: ContextManager,
+    modes: list[ReuseMode],
+    params: SamplingParams,
+    on_answer: Callable[[ReuseMode, str], None] | None = None,
+) -> Comparison:
+    """Answer the current query under each mode (greedy, up to `params.max_tokens`), keeping nothing;
+    `on_answer(mode, text)` hears of each answer as it is done."""
     if cm.query is None and not cm.turns:
         raise ChunkError("no query to answer: set one with /query TEXT")
     if not modes:
@@ -32,7 +39,11 @@ def compare_modes(cm: ContextManager, modes: list[ReuseMode], params: SamplingPa
     greedy = replace(params, temperature=0.0, repetition_penalty=1.0)
     chunks = cm.context_chunks()
     order = sorted(dict.fromkeys(modes), key=lambda m: m is ReuseMode.EXACT)
-    runs = {mode: answer_once(cm, chunks, mode, greedy) for mode in order}
+    runs = {}
+    for mode in order:
+        runs[mode] = answer_once(cm, chunks, mode, greedy)
+        if on_answer is not None:
+            on_answer(mode, runs[mode][1])
     reference = ReuseMode.EXACT if ReuseMode.EXACT in runs else modes[0]
     ref_ids = runs[reference][0]
     results = []

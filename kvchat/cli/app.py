@@ -200,6 +200,7 @@ def session_main(
         check_model_paths(settings)
         with ui.progress() as progress:
             shell = Shell(open_session(settings, progress), settings, flags.get("config"))
+        shell.notify = ui.note
         if flags.get("system") is not None:
             shell.ctx.set_system(flags["system"])
     except (KvchatError, OSError) as exc:

@@ -3,6 +3,7 @@ run the model are imported when a command runs, so that starting the CLI loads n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvchat.chunks.types import ChunkDetail, ReuseMode
@@ -23,7 +24,9 @@ def attention(ctx: ContextManager, output_number: int | None) -> AttentionReport
     return attention_map(ctx, output_number)
 
 
-def compare(ctx: ContextManager, arg: str, params: SamplingParams) -> Comparison:
+def compare(
+    ctx: ContextManager, arg: str, params: SamplingParams, notify: Callable[[str], None] | None = None
+) -> Comparison:
     names = arg.split()
     known = [m.value for m in ReuseMode]
     for name in names:
@@ -32,7 +35,17 @@ def compare(ctx: ContextManager, arg: str, params: SamplingParams) -> Comparison
     modes = [ReuseMode(n) for n in names] if names else list(DEFAULT_MODES)
     from kvchat.chunks.compare import compare_modes
 
-    return compare_modes(ctx, modes, params)
+    if notify is None:
+        return compare_modes(ctx, modes, params)
+    distinct = list(dict.fromkeys(modes))
+    done: list[ReuseMode] = []
+
+    def answered(mode: ReuseMode, text: str) -> None:
+        done.append(mode)
+        notify(f"{mode} answered ({len(done)} of {len(distinct)}): {' '.join(text.split())[:60]}")
+
+    notify(f"answering under {', '.join(distinct)}, greedily, up to {params.max_tokens} tokens each")
+    return compare_modes(ctx, modes, params, answered)
 
 
 def heat(ctx: ContextManager, detail: ChunkDetail) -> ChunkHeat:

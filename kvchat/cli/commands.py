@@ -6,6 +6,7 @@ Bad input raises a KvchatError before anything changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,7 @@ class Shell:
         self.settings = settings
         self.started_model = settings.model  # what /info describes; /set model.* waits for a restart
         self.config_file = user_config_file(config_file)  # where /set says a setting can be kept
+        self.notify: Callable[[str], None] | None = None  # progress of a long command, one line each
         self.commands = CommandRegistry(self)
 
     def execute(self, line: str) -> tuple[str, Any]:
@@ -265,7 +267,7 @@ class Shell:
         the prompt tokens it computed and its per-token agreement with the reference (exact if
         compared, else the first mode). Nothing is kept: no output, the live sequence unchanged.
         """
-        return cache_commands.compare(self.ctx, arg, self.settings.sampling)
+        return cache_commands.compare(self.ctx, arg, self.settings.sampling, self.notify)
 
     @command(
         "set",

@@ -142,6 +142,11 @@ class UI:
         if self.json_lines:
             self._json(jsonout.result_json(cmd, result))
 
+    def note(self, message: str) -> None:
+        """A muted progress line on a terminal's stderr (nothing in scripts or with --json)."""
+        if self.err_console.is_terminal and not self.json_lines:
+            self._print(self.err_console, Text(message, style="muted"))
+
     def warn(self, message: str) -> None:
         """One line on stderr about something that worked, but not quite as asked."""
         self._print(self.err_console, Text(f"kvchat: {message}", style="warning"))
