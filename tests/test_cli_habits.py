@@ -305,3 +305,14 @@ def test_keys_typed_during_a_command_are_not_echoed_and_wait_for_the_next_prompt
         assert os.read(slave, 100) == b"/mode bogus\n"  # still there for the next prompt
     os.close(master)
     os.close(slave)
+
+
+def test_which_model_specs_are_paths_that_are_missing(tmp_path):
+    from kvchat.models.sources import missing_path
+
+    assert missing_path("./missing-folder") == "no such model folder: ./missing-folder"
+    assert missing_path(str(tmp_path / "nope")) is not None and missing_path("nope/") is not None
+    assert missing_path(str(tmp_path / "x.gguf")).startswith("GGUF file not found")
+    assert missing_path(str(tmp_path)) is None  # exists: whether it is a model is for the loader to say
+    for spec in ("smollm2-135m", "Qwen/Qwen2.5-0.5B-Instruct", "unknown-name"):
+        assert missing_path(spec) is None  # aliases, hub ids and unknown names are not paths

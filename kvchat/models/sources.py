@@ -90,7 +90,7 @@ def missing_path(spec: str) -> str | None:
         return None if path.is_file() else f"GGUF file not found: {path}"
     written_as_path = spec.startswith(("/", "./", "../", "~")) or spec.endswith("/") or spec in (".", "..")
     if written_as_path and not path.exists():
-        return f"no such model folder: {path}"
+        return f"no such model folder: {spec}"
     return None
 
 
