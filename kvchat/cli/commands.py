@@ -230,9 +230,9 @@ class Shell:
         each letter's chunk number, role, id and the blocks its tokens are in). Marks: + pinned (a
         retained output), * pinned and shared, = shared (more than one reference), . cached
         (unreferenced, reusable KV, evicted least recently used first), ·· free. A lowercase letter:
-        the block holds moved (repositioned, not exact) KV. The letter - : no chunk holds the block now
-        (-. is KV an earlier sequence, a deleted output or /verify left cached, still reusable). Long runs of
-        equal cells are one line with their block range.
+        the block holds moved (repositioned, not exact) KV. The letter - : no chunk holds the block
+        now (-. is KV an earlier sequence, a deleted output or /verify left cached, still reusable).
+        Long runs of equal cells are one line with their block range.
         The legend counts every block holding a chunk's tokens: its own kept KV and the live
         conversation's blocks (a block shared by two chunks counts for both). /chunks counts only
         the blocks kept for the chunk itself, so a query or a user turn, held only by the live
