@@ -316,3 +316,21 @@ def test_which_model_specs_are_paths_that_are_missing(tmp_path):
     assert missing_path(str(tmp_path)) is None  # exists: whether it is a model is for the loader to say
     for spec in ("smollm2-135m", "Qwen/Qwen2.5-0.5B-Instruct", "unknown-name"):
         assert missing_path(spec) is None  # aliases, hub ids and unknown names are not paths
+
+
+def test_the_habits_in_the_repl():
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    from kvchat.cli.repl import make_prompt_session, run_interactive
+
+    h = make_harness(["One.", "Two."])
+    keys = "hello\r/retry\r/info\r/set temperature\r/?\r/bye\r/context never\r"
+    with create_pipe_input() as pipe:
+        pipe.send_text(keys)
+        session = make_prompt_session(h.shell, None, input=pipe, output=DummyOutput())
+        assert run_interactive(h.shell, h.ui, session) == 0
+    out = h.take()
+    assert "One." in out and "Two." in out and "output 2" in out
+    assert "quantization" in out and "sampling.temperature = 0.0" in out and "/retry" in out
+    assert [o.text for o in h.ctx.outputs()] == ["Two."] and "never" not in out
