@@ -11,6 +11,7 @@ from kvchat.chunks import describe, fidelity, persist
 from kvchat.chunks.compose import ComposedSequence, RepairPolicy, chunk_ranges
 from kvchat.chunks.inference import Answer, Inference, Setup, build
 from kvchat.chunks.registry import Chunk, ChunkRegistry
+from kvchat.chunks.retry import answer_to_retry
 from kvchat.chunks.spans import KVSpan
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import (
@@ -169,30 +170,14 @@ class ContextManager:
         """Generate the newest answer again from the context it came from, in its place. The answer it
         replaces is deleted first (its pinned KV released, its blocks left cached until evicted); a
         chat answer's user turn stays and is answered again."""
-        last, turn = self._last_answer()
+        ids = [c.chunk_id for c in self.context_chunks(with_query=False)]
+        last, turn = answer_to_retry(self.registry, ids, self.query, self.turns)
         assert last.output_number is not None
         self.delete_output(last.output_number)
         if turn is None:
             return self._run(self.context_chunks(), params)
         self.turns.remove(turn.chunk_id)  # it rejoins together with its new answer
         return self._run(self.context_chunks(with_query=False) + [turn], params, turn=turn)
-
-    def _last_answer(self) -> tuple[Chunk, Chunk | None]:
-        """The newest output and, for a chat answer, its user turn; ChunkError when the context it was
-        generated from is no longer the current one."""
-        outputs = self.registry.outputs()
-        if not outputs:
-            raise ChunkError("nothing to retry: no answer yet")
-        last = outputs[-1]
-        is_turn = self.turns[-1:] == [last.chunk_id]
-        ids = [c.chunk_id for c in self.context_chunks(with_query=not is_turn)]
-        expected = ids[:-1] if is_turn else ids
-        if tuple(expected) != last.source_ids:
-            raise ChunkError(
-                f"the context changed since output {last.output_number} was generated; "
-                "/infer or a message answers the current one"
-            )
-        return last, self.registry.chunks[expected[-1]] if is_turn else None
 
     def infer_blocking(self, params: SamplingParams) -> InferenceResult:
         """`infer` without streaming: the InferenceResult alone."""
