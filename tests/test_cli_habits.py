@@ -1,5 +1,6 @@
-"""What users of ollama, llama-cli and mlx_lm reach for: -p, --system, --ctx-size, /retry, /info,
-/set KEY, /bye and /?; each in the REPL's shell, in scripts and in --json, over the fake context."""
+"""What users of ollama, llama-cli and mlx_lm reach for, over the fake context: -p, --system and
+--ctx-size in the REPL, scripts and --json; tokens in /stats and the toolbar; starting; typed-ahead
+keys. The slash commands (/retry, /info, /set KEY, aliases) are in test_cli_habit_commands.py."""
 
 import json
 import time

@@ -213,7 +213,9 @@ def test_a_users_gguf_converts_once_with_progress_then_loads_from_the_cache(
     calls: list[tuple[str, float, float | None]] = []
     settings = ModelSettings(model=str(user_file), dtype="fp32", device="cpu", threads=1)
     first = load_model(settings, progress=lambda d, done, total: calls.append((d, done, total)))
-    tensors = [(done, total) for d, done, total in calls if d.startswith("converting mine.gguf")]
+    stages = list(dict.fromkeys(d for d, _, _ in calls if d.startswith("converting mine.gguf (once): ")))
+    assert [d.rsplit(": ", 1)[1] for d in stages] == ["tokenizer", "metadata", "tensors", "saving"]
+    tensors = [(done, total) for d, done, total in calls if d == "converting mine.gguf (once): tensors"]
     totals = {total for _, total in tensors if total is not None}
     assert len(totals) == 1 and totals.pop() > 100  # one report per tensor, out of ~270
     assert [done for done, _ in tensors if done] == sorted(done for done, _ in tensors if done)

@@ -211,11 +211,12 @@ class Shell:
 
     @command("stats", "KV cache blocks, bytes and hit rate")
     def stats(self, arg: str) -> CacheStats:
-        """The paged KV cache, whose size --kv-memory sets.
+        """The paged KV cache, whose size --ctx-size (tokens) or --kv-memory (MiB) sets.
         Rows:
           blocks      used (referenced by the live sequence or a chunk), pinned (retained outputs),
                       cached (unreferenced but holding reusable KV, evicted least recently used first),
                       free, and total
+          tokens      tokens the used blocks hold room for, and the whole budget in tokens
           block size  tokens per block, and the bytes one block takes
           KV memory   bytes of the used blocks, of the whole budget (--kv-memory)
           hit rate    prompt tokens found in the cache, of those looked up, since start or /reset
