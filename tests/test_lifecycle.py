@@ -8,8 +8,9 @@ import pytest
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import RepairStrategy, ReuseMode, Role, StepEvent
+from kvchat.chunks.types import RepairStrategy, ReuseMode, Role
 from kvchat.engine.engine import Engine
+from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
 from tests.hf_tokenizers import load_qwen25_tokenizer
@@ -74,7 +75,7 @@ def test_ctrl_c_in_a_reposition_prefill_is_a_clean_cancel(model, monkeypatch):
 def test_a_second_ctrl_c_while_the_turn_closes_keeps_the_answer(model, monkeypatch):
     cm = manager_with_query(model)
     stream = cm.infer(SamplingParams(max_tokens=20))
-    while not isinstance(next(stream), StepEvent):
+    while not isinstance(next(stream), GenerationStep):
         pass
     engine, real = cm.engine, cm.engine.compute
 
@@ -110,7 +111,7 @@ def test_a_chat_stream_ended_after_a_reset_leaves_the_new_session_alone(model, i
     cm = manager_with_query(model)
     stream = cm.chat("and then?", SamplingParams(max_tokens=5))
     event = next(stream)
-    while not in_prefill and not isinstance(event, StepEvent):  # on to the first token
+    while not in_prefill and not isinstance(event, GenerationStep):  # on to the first token
         event = next(stream)
     cm.reset()
     if finish:

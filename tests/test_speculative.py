@@ -308,11 +308,11 @@ def test_sampled_generation_has_the_plain_distribution():
         assert chi2_contingency(table.numpy()).pvalue > 1e-3
 
 
-def test_contiguous_engine_speculates_too(model):
+def test_partly_wrong_drafts_give_the_plain_answer(model):
     prompt = repeating_prompt(9)
     outputs = []
     for speculation in (None, Scripted(ScriptedDrafter(len(prompt), [], 0.0))):
-        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4, paged=False)
+        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
         seq = engine.start(prompt)
         if speculation is not None:
             speculation.drafter.answer = outputs[0]

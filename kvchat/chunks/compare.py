@@ -61,13 +61,10 @@ def answer_once(
     cm: ContextManager, chunks: list[Chunk], mode: ReuseMode, params: SamplingParams
 ) -> tuple[list[int], str, float, int, int, int]:
     """(token ids, text, ttft, reused, repositioned, computed) of one answer; its sequence is freed."""
-    run = Inference(replace(cm.setup, mode=mode), chunks, params)
-    try:
+    with Inference(replace(cm.setup, mode=mode), chunks, params) as run:
         for _ in run.steps():
             pass
-        result = run.result(None)
-    finally:
-        run.release()
+    result = run.result(None)
     if result.finish_reason == "cancelled":
         raise ChunkError(f"/compare cancelled during {mode}")
     token_ids = [t for t in result.token_ids if t not in cm.eos_token_ids]

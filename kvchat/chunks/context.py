@@ -4,12 +4,11 @@ KV kept alive for them (retained outputs and the live conversation)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Generator
 from pathlib import Path
 
-from kvchat.chunks import describe, fidelity, persist
+from kvchat.chunks import describe, persist
 from kvchat.chunks.compose import ComposedSequence, RepairPolicy, chunk_ranges
-from kvchat.chunks.inference import Answer, Inference, Setup, build
+from kvchat.chunks.inference import Answer, Inference, Setup
 from kvchat.chunks.registry import Chunk, ChunkRegistry
 from kvchat.chunks.spans import KVSpan
 from kvchat.chunks.template import ChatFormat
@@ -19,20 +18,18 @@ from kvchat.chunks.types import (
     ChunkInfo,
     FidelityReport,
     InferenceResult,
+    InferenceStream,
     ReuseMode,
     Role,
-    StepEvent,
 )
+from kvchat.chunks.verify import measure_fidelity
 from kvchat.engine.engine import Engine
-from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
 from kvchat.engine.speculate import Speculation
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
 from kvchat.interrupts import interrupts_ignored
 from kvchat.models.device import describe_runtime
-
-InferenceStream = Generator[PrefillProgress | StepEvent | InferenceResult, None, None]
 
 _TEMPLATE_ROLE = {
     Role.SYSTEM: "system",
@@ -177,7 +174,10 @@ class ContextManager:
 
     def compose(self, reserve_tokens: int = 0) -> ComposedSequence:
         """The current context's sequence as the mode composes it. The caller frees `.seq`."""
-        return self._build(self.context_chunks(), reserve_tokens)
+        with Inference(self.setup, self.context_chunks()) as run:
+            composed = self._composed(run, reserve_tokens)
+            run.hand_over()
+        return composed
 
     def verify(self, num_tokens: int = 16) -> FidelityReport:
         """Compare the reuse mode with a full recompute of the current context over `num_tokens`."""
@@ -185,8 +185,9 @@ class ContextManager:
             raise ChunkError("nothing to verify: set a query with /query TEXT")
         if num_tokens < 1:
             raise ChunkError("verify needs at least 1 token to compare")
-        composed = self.compose(reserve_tokens=num_tokens)
-        return fidelity.verify(composed, self.engine, self.mode, self.eos_token_ids, num_tokens)
+        with Inference(self.setup, self.context_chunks()) as run:
+            composed = self._composed(run, reserve_tokens=num_tokens)
+            return measure_fidelity(composed, self.engine, self.mode, self.eos_token_ids, num_tokens)
 
     @property
     def setup(self) -> Setup:
@@ -200,30 +201,34 @@ class ContextManager:
             self.speculation,
         )
 
-    def _build(self, chunks: list[Chunk], reserve_tokens: int) -> ComposedSequence:
+    def _composed(self, run: Inference, reserve_tokens: int) -> ComposedSequence:
         try:
-            return build(self.setup, chunks, reserve_tokens)
+            return run.compose(reserve_tokens)
         except CacheFullError as err:
-            raise CacheFullError(f"{err}. {describe.deletable_outputs(self.registry)}") from None
+            raise self._with_hint(err) from None
+
+    def _with_hint(self, err: CacheFullError) -> CacheFullError:
+        return CacheFullError(f"{err}. {describe.deletable_outputs(self.registry)}")
 
     def _run(self, chunks: list[Chunk], params: SamplingParams, turn: Chunk | None = None) -> InferenceStream:
-        """One inference, owned from composing to settling: whatever way it ends (an answer, an error,
-        Ctrl-C anywhere, the stream closed), its blocks are either kept by this manager or freed."""
+        """One inference, owned from composing to settling by its `with` block: whatever way it ends (an
+        answer, an error, Ctrl-C anywhere, the stream closed), its blocks are kept here or given back."""
         self._release_live()  # its blocks stay cached, so the new sequence can still share them
-        run = Inference(self.setup, chunks, params, compose=self._build)
         registry = self.registry  # replaced by a reset: an answer from before it is not kept after
         output: Chunk | None = None
         try:
-            try:
-                yield from run.steps()
-            except GeneratorExit:
+            with Inference(self.setup, chunks, params) as run:
+                try:
+                    yield from run.steps()
+                except GeneratorExit:
+                    if self.registry is registry:
+                        self._settle(run, chunks, turn)  # the answer so far is kept
+                    raise
+                except CacheFullError as err:
+                    raise self._with_hint(err) from None
                 if self.registry is registry:
-                    self._settle(run, chunks, turn)  # the answer so far is kept
-                raise
-            if self.registry is registry:
-                output = self._settle(run, chunks, turn)
+                    output = self._settle(run, chunks, turn)
         finally:
-            run.release()
             if output is None and turn is not None and turn.chunk_id not in self.turns:
                 # A turn joins only together with its answer (unless it went with a reset meanwhile).
                 if self.registry.chunks.get(turn.chunk_id) is turn:
@@ -237,7 +242,7 @@ class ContextManager:
             answer = run.close_turn()
             if answer is None:
                 return None  # cancelled in the prefill: what it computed stays cached
-            return self._keep(answer, run.adopt(), run, chunks, turn)
+            return self._keep(answer, run.hand_over(), run, chunks, turn)
 
     def _keep(
         self, answer: Answer, seq: Sequence, run: Inference, chunks: list[Chunk], turn: Chunk | None

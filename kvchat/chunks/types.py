@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+from kvchat.engine.records import GenerationStep, PrefillProgress
 
 
 class Role(StrEnum):
@@ -67,16 +70,6 @@ class ChunkReport:
 
 
 @dataclass(frozen=True)
-class StepEvent:
-    """One streamed piece of an inference: the text it added and the running counts."""
-
-    text: str  # answer text delta (UTF-8 safe, think spans excluded)
-    thinking: str  # thinking text delta (inside <think> ... </think>)
-    token_id: int
-    num_generated: int
-
-
-@dataclass(frozen=True)
 class InferenceResult:
     """The end of an inference: what was generated and what it cost."""
 
@@ -101,6 +94,11 @@ class InferenceResult:
     @property
     def acceptance(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+# An inference as it streams: the prefill's progress, each step, then the InferenceResult. A generator,
+# so that Ctrl-C can be thrown into it.
+InferenceStream = Generator[PrefillProgress | GenerationStep | InferenceResult, None, None]
 
 
 @dataclass(frozen=True)

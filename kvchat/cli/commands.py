@@ -10,17 +10,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat.chunks.blockmap import BlockMap, cache_map
-from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, ReuseMode
+from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceStream, ReuseMode
 from kvchat.chunks.view_records import AttentionReport, Comparison
 from kvchat.cli import cache_commands
 from kvchat.cli.arguments import count, read_text
-from kvchat.cli.registry import ArgKind, Command, CommandRegistry, command, split_command
+from kvchat.cli.registry import ArgKind, Command, CommandRegistry, command
 from kvchat.cli.results import (
     ChunkChange,
     ChunkHeat,
     ChunkList,
     HelpView,
-    Inference,
     Notice,
     OutputList,
     Quit,
@@ -43,9 +42,9 @@ class Shell:
         self.settings = settings
         self.commands = CommandRegistry(self)
 
-    def execute(self, line: str) -> tuple[str, Any]:
-        """Run one line (plain text is a chat turn); returns the command's name and its record."""
-        parts = split_command(line)
+    def execute(self, line: str, parts: tuple[str, str] | None) -> tuple[str, Any]:
+        """Run one line, split by the caller (`split_command(line)`; None: plain text, a chat turn);
+        returns the command's name and its record."""
         if parts is None:
             return "chat", self.chat(line)
         name, arg = parts
@@ -56,10 +55,10 @@ class Shell:
             raise CommandError(f"missing argument: {cmd.synopsis}")
         return cmd.name, cmd.handler(arg)
 
-    def chat(self, text: str) -> Inference:
+    def chat(self, text: str) -> InferenceStream:
         if not text.strip():
             raise CommandError("empty message")
-        return Inference(self.ctx.chat(text.strip(), self.settings.sampling))
+        return self.ctx.chat(text.strip(), self.settings.sampling)
 
     @command("system", "Set the system prompt", usage="TEXT", arg=ArgKind.TEXT)
     def system(self, arg: str) -> ChunkChange:
@@ -89,7 +88,7 @@ class Shell:
         return ChunkChange("query set", self.ctx.set_query(arg))
 
     @command("infer", "Generate from the current context and query")
-    def infer(self, arg: str) -> Inference:
+    def infer(self, arg: str) -> InferenceStream:
         """Generates an answer from the current context (system prompt, context chunks and reused
         outputs, conversation turns, query) and keeps it as a retained output. Sampling follows
         /set sampling.* (max_tokens bounds the answer). Ctrl-C stops it and keeps what was generated.
@@ -105,7 +104,7 @@ class Shell:
         A table per chunk (tokens, reused, repositioned, computed) follows when a chunk before the new
         one was not simply reused, that is when the cache missed or moved something.
         """
-        return Inference(self.ctx.infer(self.settings.sampling))
+        return self.ctx.infer(self.settings.sampling)
 
     @command("output", "List the retained outputs")
     def output(self, arg: str) -> OutputList:
