@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.types import (
     CacheStats,
     ChunkDetail,
     ChunkInfo,
     ChunkReport,
-    FidelityReport,
     InferenceResult,
     ReuseMode,
     Role,

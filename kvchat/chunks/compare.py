@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from kvchat.chunks.chunk import Chunk
 from kvchat.chunks.inference import Inference
-from kvchat.chunks.registry import Chunk
+from kvchat.chunks.reports import Comparison, ModeAnswer
 from kvchat.chunks.types import ReuseMode
-from kvchat.chunks.view_records import Comparison, ModeAnswer
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import ChunkError
 

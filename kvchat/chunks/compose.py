@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from kvchat.chunks.registry import Chunk
+from kvchat.chunks.chunk import Chunk
 from kvchat.chunks.types import ChunkReport, RepairStrategy, ReuseMode
 from kvchat.engine.blend import recompute_selected
 from kvchat.engine.engine import Engine

@@ -7,16 +7,15 @@ from collections import Counter
 from pathlib import Path
 
 from kvchat.chunks import describe, persist
+from kvchat.chunks.chunk import Chunk, ChunkRegistry, KVSpan
 from kvchat.chunks.compose import ComposedSequence, RepairPolicy, chunk_ranges
 from kvchat.chunks.inference import Answer, Inference, Setup
-from kvchat.chunks.registry import Chunk, ChunkRegistry
-from kvchat.chunks.spans import KVSpan
+from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import (
     CacheStats,
     ChunkDetail,
     ChunkInfo,
-    FidelityReport,
     InferenceResult,
     InferenceStream,
     ReuseMode,

@@ -14,8 +14,8 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
+from kvchat.chunks.chunk import Chunk
 from kvchat.chunks.compose import ComposedSequence, RepairPolicy, compose
-from kvchat.chunks.registry import Chunk
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import InferenceResult, ReuseMode
 from kvchat.engine.detokenizer import StreamDetokenizer, split_think

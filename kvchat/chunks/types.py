@@ -1,4 +1,5 @@
-"""The records the chunk layer returns. Plain data: the CLI renders them, tests inspect them."""
+"""The chunk layer's vocabulary and records: roles and reuse modes, a chunk as the user sees it
+(/chunks, /show, /stats), and what an inference did (its result, per chunk). Plain data."""
 
 from __future__ import annotations
 
@@ -99,23 +100,6 @@ class InferenceResult:
 # An inference as it streams: the prefill's progress, each step, then the InferenceResult. A generator,
 # so that Ctrl-C can be thrown into it.
 InferenceStream = Generator[PrefillProgress | GenerationStep | InferenceResult, None, None]
-
-
-@dataclass(frozen=True)
-class FidelityReport:
-    """A chosen reuse mode compared with a full recompute of the same context."""
-
-    mode: ReuseMode
-    kl_divergence: float  # KL(full || mode) of the next-token distribution
-    top1_agree: bool
-    top5_overlap: int  # of 5
-    max_logit_diff: float
-    greedy_agree: int  # leading greedy tokens equal before the first difference
-    greedy_tokens: int  # positions compared (N, or fewer when the answer ended)
-    top1_rate: float  # share of compared positions whose top-1 token agrees (teacher-forced)
-    reused_tokens: int
-    repositioned_tokens: int
-    computed_tokens: int
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from kvchat.chunks.compose import ComposedSequence
-from kvchat.chunks.types import FidelityReport, ReuseMode
+from kvchat.chunks.reports import FidelityReport
+from kvchat.chunks.types import ReuseMode
 from kvchat.engine.engine import Engine
 from kvchat.errors import CacheFullError
 

@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat.chunks.blockmap import BlockMap, cache_map
-from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceStream, ReuseMode
-from kvchat.chunks.view_records import AttentionReport, Comparison
+from kvchat.chunks.reports import AttentionReport, Comparison, FidelityReport
+from kvchat.chunks.types import CacheStats, ChunkDetail, InferenceStream, ReuseMode
 from kvchat.cli import cache_commands
 from kvchat.cli.arguments import count, read_text
-from kvchat.cli.registry import ArgKind, Command, CommandRegistry, command
 from kvchat.cli.results import (
     ChunkChange,
     ChunkHeat,
@@ -26,6 +25,7 @@ from kvchat.cli.results import (
     SettingsView,
 )
 from kvchat.cli.settings import setting_info, setting_values, shown_value
+from kvchat.cli.slash_commands import ArgKind, Command, CommandRegistry, command
 from kvchat.config import replace_setting
 from kvchat.errors import CommandError
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvchat.chunks.types import ChunkDetail, ChunkInfo
-from kvchat.cli.registry import Command
+from kvchat.cli.slash_commands import Command
 
 
 @dataclass(frozen=True)

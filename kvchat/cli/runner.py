@@ -7,8 +7,8 @@ from enum import Enum
 
 from kvchat.chunks.types import InferenceResult
 from kvchat.cli.commands import Shell
-from kvchat.cli.registry import split_command
 from kvchat.cli.results import Quit
+from kvchat.cli.slash_commands import split_command
 from kvchat.cli.ui import UI
 from kvchat.engine.records import GenerationStep, PrefillProgress
 from kvchat.errors import KvchatError

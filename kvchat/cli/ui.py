@@ -14,8 +14,8 @@ from rich.text import Text
 from rich.theme import Theme
 
 from kvchat.chunks.blockmap import BlockMap
-from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceResult
-from kvchat.chunks.view_records import AttentionReport, Comparison
+from kvchat.chunks.reports import AttentionReport, Comparison, FidelityReport
+from kvchat.chunks.types import CacheStats, ChunkDetail, InferenceResult
 from kvchat.cli import cacheviews, jsonout, views
 from kvchat.cli.results import (
     ChunkChange,
