@@ -11,7 +11,8 @@ from scipy.stats import chi2_contingency, chisquare
 
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
-from kvchat.engine.generate import GenerationStep, generate
+from kvchat.engine.generate import generate
+from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import Sampler, SamplingParams, make_sampler
 from kvchat.engine.speculate import DraftBudget, PromptLookup, Speculation
 from tests.tiny_models import make_tiny_model
