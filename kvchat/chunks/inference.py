@@ -14,7 +14,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
-from kvchat.chunks.chunk import Chunk
+from kvchat.chunks.chunk import Chunk, ChunkRegistry, KVSpan
 from kvchat.chunks.compose import ComposedSequence, RepairPolicy, compose
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import InferenceResult, ReuseMode
@@ -153,6 +153,29 @@ class Inference:
         seq, self._seq = self._seq, None
         assert seq is not None
         return seq
+
+    def keep(self, registry: ChunkRegistry) -> tuple[Chunk, Sequence] | None:
+        """Close the turn and hand it over as kept chunks: the answer becomes an output chunk of
+        `registry` with its KV pinned, the chunks computed exactly get spans over it, and the sequence
+        (with its block references) goes to the caller. None when nothing was generated."""
+        answer = self.close_turn()
+        if answer is None:
+            return None  # cancelled in the prefill: what it computed stays cached
+        blocks, seq = self.setup.engine.blocks, self.hand_over()
+        output = registry.add_output(
+            answer.text,
+            answer.token_ids,
+            had_think=answer.had_think,
+            source_ids=tuple(c.chunk_id for c in self.chunks),
+            finish_reason=answer.finish_reason,
+        )
+        exact = seq.exact_limit >= seq.num_tokens
+        output.span = KVSpan.of(blocks, seq, answer.start, seq.num_tokens, exact, pinned=True)
+        assert self.composed is not None
+        for chunk, a, b in self.composed.chunk_ranges:
+            if b <= seq.exact_limit and (chunk.span is None or not chunk.span.is_valid(blocks)):
+                chunk.span = KVSpan.of(blocks, seq, a, b, exact=True, pinned=False)
+        return output, seq
 
     def result(self, output: Chunk | None) -> InferenceResult:
         composed = self.composed
