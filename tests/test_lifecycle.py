@@ -7,6 +7,7 @@ import pytest
 
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
+from kvchat.chunks.inference import Inference
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import RepairStrategy, ReuseMode, Role
 from kvchat.engine.engine import Engine
@@ -214,4 +215,25 @@ def test_a_context_longer_than_the_model_positions_is_refused(model):
     limit = model.config.max_position_embeddings
     with pytest.raises(CacheFullError, match=f"model's {limit} positions"):
         drain(cm.infer(SamplingParams(max_tokens=limit)))
+    assert_refs_match(cm)
+
+
+@pytest.mark.parametrize("mode", list(ReuseMode))
+def test_leaving_an_inference_frees_exactly_what_it_did_not_hand_over(model, mode):
+    cm = manager_with_query(model, mode=mode)
+    drain(cm.infer(GREEDY))
+    cm.middle.reverse()  # the passages move: reposition and repair copy their KV into new blocks
+    blocks = cm.engine.blocks
+    before = blocks.num_free
+    with pytest.raises(KeyboardInterrupt), Inference(cm.setup, cm.context_chunks()) as run:
+        run.compose(reserve_tokens=8)
+        assert blocks.num_free < before
+        raise KeyboardInterrupt
+    assert blocks.num_free == before and run.composed is not None and run.composed.seq.block_table == []
+    with Inference(cm.setup, cm.context_chunks()) as run:
+        seq = run.compose(reserve_tokens=8).seq
+        kept = run.hand_over()
+    assert kept is seq and seq.block_table and blocks.num_free < before
+    cm.engine.free(seq)
+    assert blocks.num_free == before
     assert_refs_match(cm)
