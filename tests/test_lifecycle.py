@@ -237,3 +237,16 @@ def test_leaving_an_inference_frees_exactly_what_it_did_not_hand_over(model, mod
     cm.engine.free(seq)
     assert blocks.num_free == before
     assert_refs_match(cm)
+
+
+def test_a_verify_without_room_for_its_full_copy_keeps_nothing(model):
+    block_bytes = make_manager(model).engine.bytes_per_block
+    cm = manager_with_query(model, kv_memory=block_bytes * 48)
+    drain(cm.infer(SamplingParams(max_tokens=4)))
+    cm.add_context(text(5, 40))  # the context now fits once, not twice
+    free = cm.engine.blocks.num_free
+    with pytest.raises(CacheFullError, match="second, fully recomputed copy.*delete-output 1"):
+        cm.verify(4)
+    assert cm.engine.blocks.num_free == free
+    assert_refs_match(cm)
+    assert_all_free_after_reset(cm)
