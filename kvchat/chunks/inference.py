@@ -3,8 +3,9 @@
 An `Inference` is the one owner of an inference's blocks: its sequence exists before the first block
 is taken, every block taken since (composition, the answer, the end of the turn) is in it, and leaving
 the inference's `with` block gives back whatever was not handed over, whatever way it ends (an
-answer, an error, KeyboardInterrupt, GeneratorExit). It changes no ContextManager state: it returns
-records, and the ContextManager keeps what it wants.
+answer, an error, KeyboardInterrupt, GeneratorExit). Handing over is `keep`: the answer becomes an
+output chunk of the registry it is given and the sequence goes to the caller; nothing else of the
+ContextManager's changes here.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Answer:
 
 class Inference:
     """Compose, prefill, decode and close one answer, as the one owner of its blocks. Enter it as a
-    `with` block; drive `steps()`, then `close_turn()`, `hand_over()` what is kept, and `result()`."""
+    `with` block; drive `steps()`, then `keep()` the answer (or not), then read `result()`."""
 
     def __init__(self, setup: Setup, chunks: list[Chunk], params: SamplingParams | None = None):
         self.setup, self.chunks, self.params = setup, chunks, params or SamplingParams()
