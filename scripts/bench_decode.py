@@ -1,5 +1,5 @@
-"""Decode speed, side by side in one run: kvchat's paged loop, kvchat with a contiguous cache, and
-transformers' model.generate, on the same model, dtype, threads and prompt.
+"""Decode speed, side by side in one run: kvchat's paged loop and transformers' model.generate, on the
+same model, dtype, threads and prompt.
 
     python scripts/bench_decode.py --dtype bf16 --contexts 512 4096 --tokens 64 --repeats 5
 
@@ -54,23 +54,17 @@ def generate_runner(model, prompt: list[int], tokens: int) -> Callable[[], float
     return lambda: tokens / (timed(tokens + 1) - timed(1))  # the difference is the decode of `tokens`
 
 
-def kvchat_runner(model, tokenizer, prompt: list[int], tokens: int, paged: bool) -> Callable[[], float]:
+def kvchat_runner(model, tokenizer, prompt: list[int], tokens: int) -> Callable[[], float]:
     """One run: kvchat's decode tokens/s after the same prefix, prefilled once."""
-    engine = Engine(model, kv_memory_bytes=1 << 30, block_size=16, prefill_chunk=512, paged=paged)
+    engine = Engine(model, kv_memory_bytes=1 << 30, block_size=16, prefill_chunk=512)
     seq = engine.start(prompt)
     engine.compute(seq, until=len(prompt) - 1)
     params = SamplingParams(max_tokens=tokens + 1)
 
     def run() -> float:
-        if paged:
-            run_seq = engine.start(prompt)  # shares the prefix blocks, computes the last token
-        else:
-            del seq.token_ids[len(prompt) :]  # the contiguous cache keeps the prefix rows
-            seq.num_computed = len(prompt) - 1
-            run_seq = seq
+        run_seq = engine.start(prompt)  # shares the prefix blocks, computes the last token
         steps = list(generate(engine, run_seq, params, frozenset(), StreamDetokenizer(tokenizer)))
-        if paged:
-            engine.free(run_seq)
+        engine.free(run_seq)
         return steps[-1].stats.decode_tok_s
 
     return run
@@ -90,8 +84,7 @@ def main() -> None:
         prompt = prompt_of(tokenizer, context)
         runners = {
             "model.generate": generate_runner(model, prompt, args.tokens),
-            "kvchat contiguous": kvchat_runner(model, tokenizer, prompt, args.tokens, paged=False),
-            "kvchat paged": kvchat_runner(model, tokenizer, prompt, args.tokens, paged=True),
+            "kvchat": kvchat_runner(model, tokenizer, prompt, args.tokens),
         }
         rates: dict[str, list[float]] = {name: [] for name in runners}
         for _ in range(args.repeats):  # interleaved, so the machine's drift falls on every variant alike

@@ -39,8 +39,9 @@ from bench_common import load, model_parser
 
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
+from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import FidelityReport, InferenceResult, RepairStrategy, ReuseMode
+from kvchat.chunks.types import InferenceResult, RepairStrategy, ReuseMode
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
 

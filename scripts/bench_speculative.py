@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
-from kvchat.engine.generate import GenerationStep, generate
+from kvchat.engine.generate import generate
+from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import Speculation
 from kvchat.models.loader import eos_token_ids

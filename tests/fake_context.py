@@ -17,21 +17,21 @@ from pathlib import Path
 
 import pytest
 
+from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.types import (
     CacheStats,
     ChunkDetail,
     ChunkInfo,
     ChunkReport,
-    FidelityReport,
     InferenceResult,
     ReuseMode,
     Role,
-    StepEvent,
 )
 from kvchat.cli.commands import Shell
 from kvchat.cli.runner import Status, run_line
 from kvchat.cli.ui import UI
 from kvchat.config import load_settings
+from kvchat.engine.records import GenerationStats, GenerationStep
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import Speculation
 from kvchat.errors import ChunkError, StateFileError
@@ -40,7 +40,12 @@ from kvchat.models.info import ModelInfo
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 
-Stream = Generator[StepEvent | InferenceResult, None, None]
+Stream = Generator[GenerationStep | InferenceResult, None, None]
+
+
+def fake_step(text: str, thinking: str, token_id: int, num_generated: int) -> GenerationStep:
+    """A streamed step with no cost figures."""
+    return GenerationStep(token_id, text, thinking, None, GenerationStats(0, 0, 0, num_generated, 0, 0, 0))
 
 
 @pytest.fixture(autouse=True)
@@ -243,7 +248,7 @@ class FakeContextManager:
         kept: list[str] = []
         finish = "stop" if len(words) == len(response.text.split(" ")) else "length"
         if response.thinking:
-            yield StepEvent("", response.thinking, 0, 0)
+            yield fake_step("", response.thinking, 0, 0)
         try:
             for step, word in enumerate(words):
                 if step == response.interrupt_at:
@@ -251,7 +256,7 @@ class FakeContextManager:
                 time.sleep(response.delay_s)
                 delta = word if step == 0 else " " + word
                 kept.append(delta)
-                yield StepEvent(delta, "", step, step + 1)
+                yield fake_step(delta, "", step, step + 1)
         except KeyboardInterrupt:
             finish = "cancelled"
         yield self._finish("".join(kept), finish, context)

@@ -9,10 +9,9 @@ import torch
 
 from kvchat.chunks.attention import attention_map, layer_groups
 from kvchat.chunks.blockmap import block_map
+from kvchat.chunks.chunk import ChunkRegistry, KVSpan
 from kvchat.chunks.compare import compare_modes
 from kvchat.chunks.context import ContextManager
-from kvchat.chunks.registry import ChunkRegistry
-from kvchat.chunks.spans import KVSpan
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import ReuseMode, Role
 from kvchat.cli.commands import Shell

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from kvchat.chunks.types import InferenceResult, ReuseMode, StepEvent
+from kvchat.chunks.types import InferenceResult, ReuseMode
 from kvchat.cli.runner import Status, consume
 from kvchat.errors import KvchatError
-from tests.fake_context import Response, isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
+from tests.fake_context import Response, fake_step, isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
 
 
 def interrupt_on_step(h, step_number):
@@ -48,11 +48,11 @@ def test_stray_steps_after_the_throw_are_drained_not_shown():
 
     def stream():
         try:
-            yield StepEvent("a", "", 1, 1)
+            yield fake_step("a", "", 1, 1)
             try:
-                yield StepEvent("b", "", 2, 2)
+                yield fake_step("b", "", 2, 2)
             except KeyboardInterrupt:
-                yield StepEvent("c", "", 3, 3)
+                yield fake_step("c", "", 3, 3)
                 yield result("ab")
         finally:
             closed.append(True)
@@ -70,7 +70,7 @@ def test_stray_steps_after_the_throw_are_drained_not_shown():
 
 def test_a_stream_without_a_result_is_an_error():
     def stream():
-        yield StepEvent("a", "", 1, 1)
+        yield fake_step("a", "", 1, 1)
 
     with pytest.raises(KvchatError, match="without a result"):
         consume(stream(), lambda event: None)
@@ -82,7 +82,7 @@ def test_the_generator_is_closed_once_the_result_arrives():
     def stream():
         try:
             yield result()
-            yield StepEvent("never", "", 2, 2)
+            yield fake_step("never", "", 2, 2)
         finally:
             closed.append(True)
 

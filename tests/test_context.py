@@ -8,9 +8,10 @@ import torch
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import InferenceResult, RepairStrategy, ReuseMode, Role, StepEvent
+from kvchat.chunks.types import InferenceResult, RepairStrategy, ReuseMode, Role
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import PrefillProgress
+from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
 from tests.hf_tokenizers import load_smollm2_tokenizer
@@ -46,7 +47,7 @@ def make_manager(model, block_size=4, kv_memory=1 << 23, mode=ReuseMode.EXACT):
 
 def drain(stream) -> InferenceResult:
     items = list(stream)
-    assert all(isinstance(i, StepEvent | PrefillProgress) for i in items[:-1])
+    assert all(isinstance(i, GenerationStep | PrefillProgress) for i in items[:-1])
     assert isinstance(items[-1], InferenceResult)
     return items[-1]
 
@@ -185,7 +186,7 @@ def test_cancel_keeps_generated_tokens(model):
     cm = make_manager(model)
     cm.set_query("count")
     stream = cm.infer(SamplingParams(max_tokens=50))
-    while not isinstance(next(stream), StepEvent):  # past the prefill, to the first token
+    while not isinstance(next(stream), GenerationStep):  # past the prefill, to the first token
         pass
     result = stream.throw(KeyboardInterrupt())
     assert isinstance(result, InferenceResult) and result.finish_reason == "cancelled"

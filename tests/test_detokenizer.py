@@ -61,6 +61,24 @@ def tokenizer(request):
     return request.getfixturevalue(request.param)
 
 
+class Recording(StreamDetokenizer):
+    """A detokenizer that also joins what it released, for the assertions below."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.text, self.thinking = "", ""
+
+    def add(self, token_id: int) -> tuple[str, str]:
+        return self._joined(*super().add(token_id))
+
+    def finish(self) -> tuple[str, str]:
+        return self._joined(*super().finish())
+
+    def _joined(self, answer: str, thinking: str) -> tuple[str, str]:
+        self.text, self.thinking = self.text + answer, self.thinking + thinking
+        return answer, thinking
+
+
 def stream(detok: StreamDetokenizer, ids: list[int]) -> tuple[list[str], list[str]]:
     """Feed ids one by one and finish; return the answer and thinking deltas."""
     answer, thinking = [], []
@@ -79,7 +97,7 @@ def encode(tokenizer, text: str) -> list[int]:
 @pytest.mark.parametrize("name", TEXTS)
 def test_stream_equals_full_decode(tokenizer, name):
     ids = encode(tokenizer, TEXTS[name])
-    detok = StreamDetokenizer(tokenizer)
+    detok = Recording(tokenizer)
     answer, thinking = stream(detok, ids)
     assert "".join(answer) == tokenizer.decode(ids) == detok.text
     assert detok.thinking == "" and not any(thinking)
@@ -96,12 +114,12 @@ def test_texts_really_split_characters(qwen, gpt2_style):
 def test_stream_keeps_spaces_that_a_lone_decode_drops(spm_style):
     ids = encode(spm_style, "the cat sat")
     assert "".join(spm_style.decode([i]) for i in ids) != "the cat sat"
-    assert "".join(stream(StreamDetokenizer(spm_style), ids)[0]) == "the cat sat"
+    assert "".join(stream(Recording(spm_style), ids)[0]) == "the cat sat"
 
 
 def test_text_so_far_is_the_decoded_prefix_up_to_complete_characters(qwen):
     ids = encode(qwen, "a 𠮷野家 👨\u200d👩\u200d👧 ok")
-    detok = StreamDetokenizer(qwen)
+    detok = Recording(qwen)
     num_held = 0
     for n, token_id in enumerate(ids, start=1):
         detok.add(token_id)
@@ -118,7 +136,7 @@ def test_text_so_far_is_the_decoded_prefix_up_to_complete_characters(qwen):
 def test_finish_flushes_a_dangling_partial_character(qwen):
     ids = encode(qwen, "ab 👨\u200d👩")
     partial = next(n for n in range(1, len(ids)) if qwen.decode(ids[:n]).endswith("\ufffd"))
-    detok = StreamDetokenizer(qwen)
+    detok = Recording(qwen)
     held = "".join(detok.add(i)[0] for i in ids[:partial])
     assert not held.endswith("\ufffd")
     assert held + detok.finish()[0] == qwen.decode(ids[:partial])
@@ -130,7 +148,7 @@ def test_finish_flushes_a_dangling_partial_character(qwen):
 @given(text=st.text(max_size=60))
 def test_property_random_text(tokenizer, text):
     ids = encode(tokenizer, text)
-    assert "".join(stream(StreamDetokenizer(tokenizer), ids)[0]) == tokenizer.decode(ids)
+    assert "".join(stream(Recording(tokenizer), ids)[0]) == tokenizer.decode(ids)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -141,7 +159,7 @@ def test_property_random_byte_level_ids(qwen, gpt2_style, data):
     # of them is invalid, so no stream can release a character before the run ends.)
     for tokenizer in (qwen, gpt2_style):
         ids = data.draw(st.lists(st.integers(0, len(tokenizer) - 1), max_size=40))
-        detok = StreamDetokenizer(tokenizer)
+        detok = Recording(tokenizer)
         assert "".join(stream(detok, ids)[0]) == tokenizer.decode(ids) == detok.text
 
 
@@ -153,7 +171,7 @@ def test_property_random_byte_level_ids(qwen, gpt2_style, data):
 )
 def test_property_think_and_skip_agree_with_split_think(qwen, ids):
     skip = frozenset({IM_END, END_OF_TEXT})
-    detok = StreamDetokenizer(qwen, think_ids=THINK_IDS, skip_ids=skip)
+    detok = Recording(qwen, think_ids=THINK_IDS, skip_ids=skip)
     answer, thinking = stream(detok, ids)
     answer_ids, thinking_ids, _ = split_think([i for i in ids if i not in skip], THINK_IDS)
     assert "".join(answer) == detok.text == qwen.decode(answer_ids)
@@ -167,7 +185,7 @@ def think_case(qwen, parts: list[str | int]) -> list[int]:
 
 def test_closed_think_span(qwen):
     ids = think_case(qwen, [THINK_IDS[0], "\nLet me think: 你好.\n", THINK_IDS[1], "\n\nAnswer: 42 🎉"])
-    detok = StreamDetokenizer(qwen, think_ids=THINK_IDS)
+    detok = Recording(qwen, think_ids=THINK_IDS)
     answer, thinking = stream(detok, ids)
     assert detok.thinking == "\nLet me think: 你好.\n"
     assert detok.text == "\n\nAnswer: 42 🎉"
@@ -177,28 +195,28 @@ def test_closed_think_span(qwen):
 
 def test_unclosed_think_span_is_still_thinking(qwen):
     ids = think_case(qwen, ["Hi ", THINK_IDS[0], "still going 🤔"])
-    detok = StreamDetokenizer(qwen, think_ids=THINK_IDS)
+    detok = Recording(qwen, think_ids=THINK_IDS)
     stream(detok, ids)
     assert (detok.text, detok.thinking) == ("Hi ", "still going 🤔")
 
 
 def test_several_think_spans(qwen):
     ids = think_case(qwen, [THINK_IDS[0], "a", THINK_IDS[1], "B", THINK_IDS[0], "c", THINK_IDS[1], "D"])
-    detok = StreamDetokenizer(qwen, think_ids=THINK_IDS)
+    detok = Recording(qwen, think_ids=THINK_IDS)
     stream(detok, ids)
     assert (detok.text, detok.thinking) == ("BD", "ac")
 
 
 def test_markers_are_text_without_think_ids(qwen):
     ids = think_case(qwen, [THINK_IDS[0], "x", THINK_IDS[1]])
-    detok = StreamDetokenizer(qwen)
+    detok = Recording(qwen)
     stream(detok, ids)
     assert detok.text == "<think>x</think>"
 
 
 def test_skip_ids_produce_no_text(qwen):
     ids = think_case(qwen, ["done 😀", IM_END, END_OF_TEXT])
-    detok = StreamDetokenizer(qwen, skip_ids=frozenset({IM_END, END_OF_TEXT}))
+    detok = Recording(qwen, skip_ids=frozenset({IM_END, END_OF_TEXT}))
     answer, _ = stream(detok, ids)
     assert detok.text == "done 😀"
     assert answer[-3:] == ["", "", ""]
@@ -207,7 +225,7 @@ def test_skip_ids_produce_no_text(qwen):
 def test_skip_id_between_the_bytes_of_a_character(qwen):
     ids = encode(qwen, "👨\u200d👩")
     ids = [ids[0], IM_END, *ids[1:]]
-    detok = StreamDetokenizer(qwen, skip_ids=frozenset({IM_END}))
+    detok = Recording(qwen, skip_ids=frozenset({IM_END}))
     stream(detok, ids)
     assert detok.text == "👨\u200d👩"
 

@@ -78,15 +78,6 @@ def test_workspace_switches_between_sequences(model):
     assert (engine.compute(seq_b) - full_logits(model, b + [11])[-1]).abs().max() <= 1e-4
 
 
-def test_contiguous_engine_matches(model):
-    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=16, paged=False)
-    ids = random_ids(33, seed=6)
-    seq = engine.start(ids)
-    engine.compute(seq)
-    engine.extend(seq, [3])
-    assert (engine.compute(seq) - full_logits(model, ids + [3])[-1]).abs().max() <= 1e-4
-
-
 def test_rerotated_layer0_keys_equal_keys_computed_at_new_positions(model):
     from kvchat.engine.rope import rerotate_keys_, rotary_inv_freq
 

@@ -7,9 +7,11 @@ import pytest
 
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
+from kvchat.chunks.inference import Inference
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import RepairStrategy, ReuseMode, Role, StepEvent
+from kvchat.chunks.types import RepairStrategy, ReuseMode, Role
 from kvchat.engine.engine import Engine
+from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
 from tests.hf_tokenizers import load_qwen25_tokenizer
@@ -74,7 +76,7 @@ def test_ctrl_c_in_a_reposition_prefill_is_a_clean_cancel(model, monkeypatch):
 def test_a_second_ctrl_c_while_the_turn_closes_keeps_the_answer(model, monkeypatch):
     cm = manager_with_query(model)
     stream = cm.infer(SamplingParams(max_tokens=20))
-    while not isinstance(next(stream), StepEvent):
+    while not isinstance(next(stream), GenerationStep):
         pass
     engine, real = cm.engine, cm.engine.compute
 
@@ -110,7 +112,7 @@ def test_a_chat_stream_ended_after_a_reset_leaves_the_new_session_alone(model, i
     cm = manager_with_query(model)
     stream = cm.chat("and then?", SamplingParams(max_tokens=5))
     event = next(stream)
-    while not in_prefill and not isinstance(event, StepEvent):  # on to the first token
+    while not in_prefill and not isinstance(event, GenerationStep):  # on to the first token
         event = next(stream)
     cm.reset()
     if finish:
@@ -214,3 +216,37 @@ def test_a_context_longer_than_the_model_positions_is_refused(model):
     with pytest.raises(CacheFullError, match=f"model's {limit} positions"):
         drain(cm.infer(SamplingParams(max_tokens=limit)))
     assert_refs_match(cm)
+
+
+@pytest.mark.parametrize("mode", list(ReuseMode))
+def test_leaving_an_inference_frees_exactly_what_it_did_not_hand_over(model, mode):
+    cm = manager_with_query(model, mode=mode)
+    drain(cm.infer(GREEDY))
+    cm.middle.reverse()  # the passages move: reposition and repair copy their KV into new blocks
+    blocks = cm.engine.blocks
+    before = blocks.num_free
+    with pytest.raises(KeyboardInterrupt), Inference(cm.setup, cm.context_chunks()) as run:
+        run.compose(reserve_tokens=8)
+        assert blocks.num_free < before
+        raise KeyboardInterrupt
+    assert blocks.num_free == before and run.composed is not None and run.composed.seq.block_table == []
+    with Inference(cm.setup, cm.context_chunks()) as run:
+        seq = run.compose(reserve_tokens=8).seq
+        kept = run.hand_over()
+    assert kept is seq and seq.block_table and blocks.num_free < before
+    cm.engine.free(seq)
+    assert blocks.num_free == before
+    assert_refs_match(cm)
+
+
+def test_a_verify_without_room_for_its_full_copy_keeps_nothing(model):
+    block_bytes = make_manager(model).engine.bytes_per_block
+    cm = manager_with_query(model, kv_memory=block_bytes * 48)
+    drain(cm.infer(SamplingParams(max_tokens=4)))
+    cm.add_context(text(5, 40))  # the context now fits once, not twice
+    free = cm.engine.blocks.num_free
+    with pytest.raises(CacheFullError, match="second, fully recomputed copy.*delete-output 1"):
+        cm.verify(4)
+    assert cm.engine.blocks.num_free == free
+    assert_refs_match(cm)
+    assert_all_free_after_reset(cm)

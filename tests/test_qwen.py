@@ -4,8 +4,9 @@ import torch
 
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import InferenceResult, Role, StepEvent
+from kvchat.chunks.types import InferenceResult, Role
 from kvchat.engine.engine import Engine
+from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
 from tests.hf_tokenizers import load_qwen3_tokenizer, load_qwen25_tokenizer
 from tests.tiny_models import make_tiny_model
@@ -43,7 +44,7 @@ def test_think_spans_stream_apart_leave_the_text_and_stay_in_the_kv():
     )
     *steps, result = cm.infer(SamplingParams(max_tokens=40))
     assert isinstance(result, InferenceResult) and result.finish_reason == "stop"
-    events = [s for s in steps if isinstance(s, StepEvent)]
+    events = [s for s in steps if isinstance(s, GenerationStep)]
     assert "".join(e.thinking for e in events) == "The user greets me."
     assert "".join(e.text for e in events) == "\n\nHello there!"
     assert result.text == "Hello there!" and result.had_think

@@ -11,7 +11,8 @@ from scipy.stats import chi2_contingency, chisquare
 
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
-from kvchat.engine.generate import GenerationStep, generate
+from kvchat.engine.generate import generate
+from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import Sampler, SamplingParams, make_sampler
 from kvchat.engine.speculate import DraftBudget, PromptLookup, Speculation
 from tests.tiny_models import make_tiny_model
@@ -308,11 +309,11 @@ def test_sampled_generation_has_the_plain_distribution():
         assert chi2_contingency(table.numpy()).pvalue > 1e-3
 
 
-def test_contiguous_engine_speculates_too(model):
+def test_partly_wrong_drafts_give_the_plain_answer(model):
     prompt = repeating_prompt(9)
     outputs = []
     for speculation in (None, Scripted(ScriptedDrafter(len(prompt), [], 0.0))):
-        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4, paged=False)
+        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
         seq = engine.start(prompt)
         if speculation is not None:
             speculation.drafter.answer = outputs[0]

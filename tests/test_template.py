@@ -17,10 +17,6 @@ from tests.hf_tokenizers import (
 )
 
 LOADERS = {"smollm2": load_smollm2_tokenizer, "qwen2.5": load_qwen25_tokenizer, "qwen3": load_qwen3_tokenizer}
-# Qwen3 assistant turns here have no think content and come before a later user message, so the
-# template renders them the same whatever enable_thinking is.
-THINKING = {"smollm2": [None], "qwen2.5": [None], "qwen3": [None, True, False]}
-CASES = [(name, thinking) for name, values in THINKING.items() for thinking in values]
 
 DEFAULT_SYSTEM_PROMPTS = {
     "smollm2": "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
@@ -64,12 +60,8 @@ CONVERSATIONS = {
 }
 
 
-def render_ids(
-    tokenizer: Any, messages: list[dict[str, str]], thinking: bool | None, **kwargs: Any
-) -> list[int]:
+def render_ids(tokenizer: Any, messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
     """The reference: the tokenizer's own rendering, tokenized by apply_chat_template."""
-    if thinking is not None:
-        kwargs["enable_thinking"] = thinking
     encoded = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)
     return encoded["input_ids"]
 
@@ -85,18 +77,18 @@ def compose_ids(fmt: ChatFormat, messages: list[dict[str, str]]) -> list[int]:
     return ids + fmt.generation_prompt_ids()
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda case: f"{case[0]}-thinking={case[1]}")
+@pytest.fixture(scope="module", params=list(LOADERS))
 def case(request: pytest.FixtureRequest) -> tuple[str, Any, ChatFormat]:
-    name, thinking = request.param
+    name = request.param
     tokenizer = LOADERS[name]()
-    return name, tokenizer, ChatFormat(tokenizer, enable_thinking=thinking)
+    return name, tokenizer, ChatFormat(tokenizer)
 
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 def test_segments_concatenate_to_the_template_rendering(case: tuple, conversation: str) -> None:
     _, tokenizer, fmt = case
     messages = CONVERSATIONS[conversation]
-    assert compose_ids(fmt, messages) == render_ids(tokenizer, messages, fmt.enable_thinking)
+    assert compose_ids(fmt, messages) == render_ids(tokenizer, messages)
 
 
 def test_default_system_prompt_is_found_by_rendering(case: tuple) -> None:
@@ -115,23 +107,14 @@ def test_end_of_turn_is_im_end(case: tuple) -> None:
 
 @pytest.mark.parametrize("content", ["The capital of France is Paris.", "Line one.\nLine two: 世界 🌍"])
 def test_assistant_segment_from_generated_ids(case: tuple, content: str) -> None:
-    name, tokenizer, fmt = case
+    _, tokenizer, fmt = case
     content_ids = tokenizer.encode(content, add_special_tokens=False)
-    reused = fmt.assistant_segment_ids(content_ids)
-    assert reused == fmt.generation_prompt_ids() + content_ids + fmt.assistant_close_ids()
-    if name == "qwen3" and fmt.enable_thinking is False:
-        # The output was generated after an empty think block; the template's history rendering
-        # drops it. The reused turn keeps what the model saw.
-        think = tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
-        start = fmt.generation_prompt_ids()[: -len(think)]
-        assert reused == start + think + content_ids + fmt.assistant_close_ids()
-        assert fmt.segment_ids("assistant", content) == start + content_ids + fmt.assistant_close_ids()
-        return
+    reused = fmt.generation_prompt_ids() + content_ids + fmt.assistant_close_ids()  # an output's ids
     assert reused == fmt.segment_ids("assistant", content)
     messages = [msg("system", "S."), msg("user", "Q?"), msg("assistant", content), msg("user", "More?")]
     composed = fmt.segment_ids("system", "S.") + fmt.segment_ids("user", "Q?") + reused
     composed += fmt.segment_ids("user", "More?") + fmt.generation_prompt_ids()
-    assert composed == render_ids(tokenizer, messages, fmt.enable_thinking)
+    assert composed == render_ids(tokenizer, messages)
 
 
 def test_think_ids(qwen3_tokenizer: Any, smollm2_tokenizer: Any) -> None:  # noqa: F811
@@ -139,20 +122,12 @@ def test_think_ids(qwen3_tokenizer: Any, smollm2_tokenizer: Any) -> None:  # noq
     assert ChatFormat(smollm2_tokenizer).think_ids is None
 
 
-def test_qwen3_generation_prompt_follows_enable_thinking(qwen3_tokenizer: Any) -> None:  # noqa: F811
-    start = qwen3_tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    empty_think = [151667, 271, 151668, 271]  # "<think>", "\n\n", "</think>", "\n\n"
-    assert ChatFormat(qwen3_tokenizer).generation_prompt_ids() == start
-    assert ChatFormat(qwen3_tokenizer, enable_thinking=True).generation_prompt_ids() == start
-    assert ChatFormat(qwen3_tokenizer, enable_thinking=False).generation_prompt_ids() == start + empty_think
-
-
 def test_qwen3_history_assistant_loses_its_reasoning(qwen3_tokenizer: Any) -> None:  # noqa: F811
     fmt = ChatFormat(qwen3_tokenizer)
     thought = "<think>\nLet me count.\n</think>\n\nFour."
     assert fmt.segment_ids("assistant", thought) == fmt.segment_ids("assistant", "Four.")
     messages = [msg("system", "S."), msg("user", "2+2?"), msg("assistant", thought), msg("user", "Sure?")]
-    assert compose_ids(fmt, messages) == render_ids(qwen3_tokenizer, messages, None)
+    assert compose_ids(fmt, messages) == render_ids(qwen3_tokenizer, messages)
 
 
 def test_qwen3_final_assistant_turn_cannot_match(qwen3_tokenizer: Any) -> None:  # noqa: F811
@@ -162,7 +137,7 @@ def test_qwen3_final_assistant_turn_cannot_match(qwen3_tokenizer: Any) -> None: 
     messages = [msg("system", "S."), msg("user", "2+2?"), msg("assistant", "Four.")]
     rendered = qwen3_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>assistant\n<think>\n\n</think>\n\nFour.<|im_end|>" in rendered
-    assert compose_ids(fmt, messages) != render_ids(qwen3_tokenizer, messages, None)
+    assert compose_ids(fmt, messages) != render_ids(qwen3_tokenizer, messages)
 
 
 class TemplateOverride:
@@ -186,7 +161,7 @@ def test_fallback_chatml_without_a_template(qwen3_tokenizer: Any) -> None:  # no
     assert fmt.default_system_prompt is None
     assert fmt.end_of_turn_id == qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>")
     messages = CONVERSATIONS["multi_turn"]
-    expected = render_ids(qwen3_tokenizer, messages, None, chat_template=CHATML_TEMPLATE)
+    expected = render_ids(qwen3_tokenizer, messages, chat_template=CHATML_TEMPLATE)
     assert compose_ids(fmt, messages) == expected
 
 
@@ -205,7 +180,7 @@ def test_bos_written_by_the_template_goes_to_the_first_segment(qwen3_tokenizer: 
     assert fmt.segment_ids("system", "S.")[0] == bos
     assert fmt.segment_ids("user", "U.")[0] != bos
     for messages in CONVERSATIONS.values():
-        assert compose_ids(fmt, messages) == render_ids(tokenizer, messages, None)
+        assert compose_ids(fmt, messages) == render_ids(tokenizer, messages)
 
 
 @pytest.mark.parametrize(

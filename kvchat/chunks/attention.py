@@ -15,10 +15,10 @@ import torch
 from transformers import DynamicCache
 
 from kvchat.chunks.blockmap import live_chunks
+from kvchat.chunks.chunk import Chunk
 from kvchat.chunks.compose import chunk_ranges
-from kvchat.chunks.registry import Chunk
+from kvchat.chunks.reports import AttentionReport, ChunkAttention
 from kvchat.chunks.types import Role
-from kvchat.chunks.view_records import AttentionReport, ChunkAttention
 from kvchat.errors import ChunkError
 
 if TYPE_CHECKING:

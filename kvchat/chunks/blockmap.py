@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvchat.chunks.registry import Chunk
+from kvchat.chunks.chunk import Chunk
 from kvchat.chunks.types import Role
 from kvchat.engine.block_manager import BlockManager
 from kvchat.engine.sequence import Sequence

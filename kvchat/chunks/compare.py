@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from kvchat.chunks.chunk import Chunk
 from kvchat.chunks.inference import Inference
-from kvchat.chunks.registry import Chunk
+from kvchat.chunks.reports import Comparison, ModeAnswer
 from kvchat.chunks.types import ReuseMode
-from kvchat.chunks.view_records import Comparison, ModeAnswer
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import ChunkError
 
@@ -72,13 +72,10 @@ def answer_once(
     cm: ContextManager, chunks: list[Chunk], mode: ReuseMode, params: SamplingParams
 ) -> tuple[list[int], str, float, int, int, int]:
     """(token ids, text, ttft, reused, repositioned, computed) of one answer; its sequence is freed."""
-    run = Inference(replace(cm.setup, mode=mode), chunks, params)
-    try:
+    with Inference(replace(cm.setup, mode=mode), chunks, params) as run:
         for _ in run.steps():
             pass
-        result = run.result(None)
-    finally:
-        run.release()
+    result = run.result(None)
     if result.finish_reason == "cancelled":
         raise ChunkError(f"/compare cancelled during {mode}")
     token_ids = [t for t in result.token_ids if t not in cm.eos_token_ids]

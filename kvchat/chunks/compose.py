@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from kvchat.chunks.registry import Chunk
+from kvchat.chunks.chunk import Chunk
 from kvchat.chunks.types import ChunkReport, RepairStrategy, ReuseMode
 from kvchat.engine.blend import recompute_selected
 from kvchat.engine.engine import Engine
@@ -96,15 +96,16 @@ def chunk_ranges(chunks: list[Chunk]) -> list[tuple[Chunk, int, int]]:
 
 def compose(
     engine: Engine,
+    seq: Sequence,
     chunks: list[Chunk],
-    tail_ids: list[int],
     mode: ReuseMode,
     repair: RepairPolicy,
     inv_freq=None,
 ) -> ComposedSequence:
-    """A sequence over the chunks' tokens + `tail_ids`, with as much KV filled in as `mode` allows."""
+    """Give a new sequence over the chunks' tokens (then a tail, the generation prompt) its blocks, with
+    as much KV filled in as `mode` allows. The caller owns `seq`, and so every block it takes."""
     ranges = chunk_ranges(chunks)
-    token_ids = [t for chunk in chunks for t in chunk.token_ids] + list(tail_ids)
+    num_tokens = seq.num_tokens
     movable = []
     if mode is not ReuseMode.EXACT:
         movable = [
@@ -115,15 +116,14 @@ def compose(
     held = sorted({b for chunk, _, _ in movable for b in chunk.span.block_ids})  # type: ignore[union-attr]
     by_prefix = mode is ReuseMode.REPAIR and repair.strategy == RepairStrategy.PREFIX
     with engine.blocks.hold(held):  # keep the sources from being evicted by the allocation
-        seq = engine.start(token_ids)
-        with engine.owning(seq):  # interrupted or failed half-way: the sequence's blocks go back
-            composed = ComposedSequence(seq, ranges, len(token_ids), seq.num_computed, [])
-            for chunk, start, end in movable:
-                if end <= seq.num_computed or end >= len(token_ids):
-                    continue  # already there, or the very last tokens (they must produce logits)
-                _place(engine, seq, chunk, start, end, repair if by_prefix else None, inv_freq, composed)
-            if mode is ReuseMode.REPAIR and not by_prefix and composed.repositioned:
-                _recompute_deviating(engine, composed, repair)
+        engine.admit(seq)
+        composed = ComposedSequence(seq, ranges, num_tokens, seq.num_computed, [])
+        for chunk, start, end in movable:
+            if end <= seq.num_computed or end >= num_tokens:
+                continue  # already there, or the very last tokens (they must produce logits)
+            _place(engine, seq, chunk, start, end, repair if by_prefix else None, inv_freq, composed)
+        if mode is ReuseMode.REPAIR and not by_prefix and composed.repositioned:
+            _recompute_deviating(engine, composed, repair)
     return composed
 
 

@@ -4,28 +4,28 @@ KV kept alive for them (retained outputs and the live conversation)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Generator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from kvchat.chunks import describe, fidelity, persist
+from kvchat.chunks import describe, persist
+from kvchat.chunks.chunk import Chunk, ChunkRegistry
 from kvchat.chunks.compose import ComposedSequence, RepairPolicy, chunk_ranges
-from kvchat.chunks.inference import Answer, Inference, Setup, build
-from kvchat.chunks.registry import Chunk, ChunkRegistry
+from kvchat.chunks.inference import Inference, Setup
+from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.retry import answer_to_retry
-from kvchat.chunks.spans import KVSpan
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import (
     CacheStats,
     ChunkDetail,
     ChunkInfo,
-    FidelityReport,
     InferenceResult,
+    InferenceStream,
     ReuseMode,
     Role,
-    StepEvent,
 )
+from kvchat.chunks.verify import measure_fidelity
 from kvchat.engine.engine import Engine
-from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
 from kvchat.engine.speculate import Speculation
@@ -33,8 +33,6 @@ from kvchat.errors import CacheFullError, ChunkError, StateFileError
 from kvchat.interrupts import interrupts_ignored
 from kvchat.models.device import describe_runtime
 from kvchat.models.info import ModelInfo, model_info
-
-InferenceStream = Generator[PrefillProgress | StepEvent | InferenceResult, None, None]
 
 _TEMPLATE_ROLE = {
     Role.SYSTEM: "system",
@@ -192,7 +190,10 @@ class ContextManager:
 
     def compose(self, reserve_tokens: int = 0) -> ComposedSequence:
         """The current context's sequence as the mode composes it. The caller frees `.seq`."""
-        return self._build(self.context_chunks(), reserve_tokens)
+        with self._hinting(), Inference(self.setup, self.context_chunks()) as run:
+            composed = run.compose(reserve_tokens)
+            run.hand_over()
+        return composed
 
     def verify(self, num_tokens: int = 16) -> FidelityReport:
         """Compare the reuse mode with a full recompute of the current context over `num_tokens`."""
@@ -200,8 +201,9 @@ class ContextManager:
             raise ChunkError("nothing to verify: set a query with /query TEXT")
         if num_tokens < 1:
             raise ChunkError("verify needs at least 1 token to compare")
-        composed = self.compose(reserve_tokens=num_tokens)
-        return fidelity.verify(composed, self.engine, self.mode, self.eos_token_ids, num_tokens)
+        with self._hinting(), Inference(self.setup, self.context_chunks()) as run:
+            composed = run.compose(reserve_tokens=num_tokens)
+            return measure_fidelity(composed, self.engine, self.mode, self.eos_token_ids, num_tokens)
 
     @property
     def setup(self) -> Setup:
@@ -215,67 +217,50 @@ class ContextManager:
             self.speculation,
         )
 
-    def _build(self, chunks: list[Chunk], reserve_tokens: int) -> ComposedSequence:
+    @contextmanager
+    def _hinting(self) -> Iterator[None]:
+        """A CacheFullError inside names the outputs whose deletion would make room."""
         try:
-            return build(self.setup, chunks, reserve_tokens)
+            yield
         except CacheFullError as err:
             raise CacheFullError(f"{err}. {describe.deletable_outputs(self.registry)}") from None
 
     def _run(self, chunks: list[Chunk], params: SamplingParams, turn: Chunk | None = None) -> InferenceStream:
-        """One inference, owned from composing to settling: whatever way it ends (an answer, an error,
-        Ctrl-C anywhere, the stream closed), its blocks are either kept by this manager or freed."""
+        """One inference, owned from composing to settling by its `with` block: whatever way it ends (an
+        answer, an error, Ctrl-C anywhere, the stream closed), its blocks are kept here or given back."""
         self._release_live()  # its blocks stay cached, so the new sequence can still share them
-        run = Inference(self.setup, chunks, params, compose=self._build)
         registry = self.registry  # replaced by a reset: an answer from before it is not kept after
         output: Chunk | None = None
         try:
-            try:
-                yield from run.steps()
-            except GeneratorExit:
+            with self._hinting(), Inference(self.setup, chunks, params) as run:
+                try:
+                    yield from run.steps()
+                except GeneratorExit:
+                    if self.registry is registry:
+                        self._settle(run, turn)  # the answer so far is kept
+                    raise
                 if self.registry is registry:
-                    self._settle(run, chunks, turn)  # the answer so far is kept
-                raise
-            if self.registry is registry:
-                output = self._settle(run, chunks, turn)
+                    output = self._settle(run, turn)
         finally:
-            run.release()
             if output is None and turn is not None and turn.chunk_id not in self.turns:
                 # A turn joins only together with its answer (unless it went with a reset meanwhile).
                 if self.registry.chunks.get(turn.chunk_id) is turn:
                     self.registry.remove(turn.chunk_id)
         yield run.result(output)
 
-    def _settle(self, run: Inference, chunks: list[Chunk], turn: Chunk | None) -> Chunk | None:
-        """Close the turn and keep it: the output chunk, the spans of the chunks it computed, the live
-        sequence. Ctrl-C is ignored meanwhile: the turn is ending anyway."""
+    def _settle(self, run: Inference, turn: Chunk | None) -> Chunk | None:
+        """Keep the answer: its output chunk, the spans of the chunks it computed, the live sequence.
+        Ctrl-C is ignored meanwhile: the turn is ending anyway."""
         with interrupts_ignored():
-            answer = run.close_turn()
-            if answer is None:
-                return None  # cancelled in the prefill: what it computed stays cached
-            return self._keep(answer, run.adopt(), run, chunks, turn)
-
-    def _keep(
-        self, answer: Answer, seq: Sequence, run: Inference, chunks: list[Chunk], turn: Chunk | None
-    ) -> Chunk:
-        blocks = self.engine.blocks
-        self._release_live()
-        self.live = seq
-        exact = seq.exact_limit >= seq.num_tokens
-        output = self.registry.add_output(
-            answer.text,
-            answer.token_ids,
-            had_think=answer.had_think,
-            source_ids=tuple(c.chunk_id for c in chunks),
-            finish_reason=answer.finish_reason,
-        )
-        output.span = KVSpan.of(blocks, seq, answer.start, seq.num_tokens, exact, pinned=True)
-        assert run.composed is not None
-        for chunk, a, b in run.composed.chunk_ranges:
-            if b <= seq.exact_limit and (chunk.span is None or not chunk.span.is_valid(blocks)):
-                chunk.span = KVSpan.of(blocks, seq, a, b, exact=True, pinned=False)
-        if turn is not None:
-            self.turns += [turn.chunk_id, output.chunk_id]
-        return output
+            kept = run.keep(self.registry)
+            if kept is None:
+                return None
+            output, seq = kept
+            self._release_live()
+            self.live = seq
+            if turn is not None:
+                self.turns += [turn.chunk_id, output.chunk_id]
+            return output
 
     def held_blocks(self) -> Counter[int]:
         """The references this manager holds on each block: the live sequence's and the pinned spans'."""

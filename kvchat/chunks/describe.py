@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from kvchat.chunks.registry import Chunk, ChunkRegistry
-from kvchat.chunks.spans import KVSpan
+from kvchat.chunks.chunk import Chunk, ChunkRegistry, KVSpan
 from kvchat.chunks.types import CacheStats, ChunkDetail, ChunkInfo
 from kvchat.engine.block_manager import BlockManager
 

@@ -1,25 +1,28 @@
 """One inference, from composing its sequence to closing the assistant turn.
 
-An `Inference` owns its sequence from the moment it is composed until the ContextManager adopts it as
-the live sequence; `release` frees whatever it still holds, so a caller that runs it under
-`try/finally` leaks nothing on any way out (return, error, KeyboardInterrupt, GeneratorExit). It
-changes no ContextManager state: it returns records, and the ContextManager keeps what it wants.
+An `Inference` is the one owner of an inference's blocks: its sequence exists before the first block
+is taken, every block taken since (composition, the answer, the end of the turn) is in it, and leaving
+the inference's `with` block gives back whatever was not handed over, whatever way it ends (an
+answer, an error, KeyboardInterrupt, GeneratorExit). Handing over is `keep`: the answer becomes an
+output chunk of the registry it is given and the sequence goes to the caller; nothing else of the
+ContextManager's changes here.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
+from kvchat.chunks.chunk import Chunk, ChunkRegistry, KVSpan
 from kvchat.chunks.compose import ComposedSequence, RepairPolicy, compose
-from kvchat.chunks.registry import Chunk
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import InferenceResult, ReuseMode, StepEvent
+from kvchat.chunks.types import InferenceResult, ReuseMode
 from kvchat.engine.detokenizer import StreamDetokenizer, split_think
 from kvchat.engine.engine import Engine
-from kvchat.engine.generate import GenerationStep, PrefillProgress, generate
+from kvchat.engine.generate import generate
+from kvchat.engine.records import GenerationStep, PrefillProgress
 from kvchat.engine.rope import rotary_inv_freq
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
@@ -51,63 +54,53 @@ class Answer:
     finish_reason: str
 
 
-def build(setup: Setup, chunks: list[Chunk], reserve_tokens: int = 0) -> ComposedSequence:
-    """The context's sequence with KV reused per the mode, room checked for `reserve_tokens` more.
-    The caller owns the returned sequence (free it, or hand it on)."""
-    engine = setup.engine
-    gen_ids = setup.format.generation_prompt_ids()
-    num_tokens = sum(len(c.token_ids) for c in chunks) + len(gen_ids)
-    limit = engine.max_positions
-    if limit is not None and num_tokens + reserve_tokens > limit:
-        raise CacheFullError(
-            f"this context ({num_tokens} tokens) plus {reserve_tokens} for the answer is longer than the "
-            f"model's {limit} positions; drop chunks or lower --max-tokens"
-        )
-    capacity = engine.blocks.num_blocks * engine.block_size
-    if num_tokens + reserve_tokens > capacity:
-        raise CacheFullError(
-            f"this context ({num_tokens} tokens) plus {reserve_tokens} for the answer does not fit in "
-            f"the KV budget ({capacity} tokens); drop chunks or raise --kv-memory"
-        )
-    inv_freq = rotary_inv_freq(engine.model) if setup.mode is not ReuseMode.EXACT else None
-    composed = compose(engine, chunks, gen_ids, setup.mode, setup.repair, inv_freq)
-    missing = -(-(num_tokens + reserve_tokens) // engine.block_size) - len(composed.seq.block_table)
-    if missing > engine.blocks.num_free:
-        free = engine.blocks.num_free
-        engine.free(composed.seq)
-        raise CacheFullError(f"KV cache full: {missing} more blocks needed for the answer, {free} free")
-    return composed
-
-
 class Inference:
-    """Compose, prefill, decode and close one answer. Drive `steps()`, then `close_turn()`, then
-    `result()`; call `release()` in a `finally`."""
+    """Compose, prefill, decode and close one answer, as the one owner of its blocks. Enter it as a
+    `with` block; drive `steps()`, then `keep()` the answer (or not), then read `result()`."""
 
-    def __init__(
-        self,
-        setup: Setup,
-        chunks: list[Chunk],
-        params: SamplingParams,
-        compose: Callable[[list[Chunk], int], ComposedSequence] | None = None,
-    ):
-        self.setup, self.chunks, self.params = setup, chunks, params
-        self._compose = compose or (lambda chunks, reserve: build(setup, chunks, reserve))
+    def __init__(self, setup: Setup, chunks: list[Chunk], params: SamplingParams | None = None):
+        self.setup, self.chunks, self.params = setup, chunks, params or SamplingParams()
         self.composed: ComposedSequence | None = None
         self.prompt_len = 0
         self.last: GenerationStep | None = None
         self.finish_reason = "cancelled"
-        self.text: list[str] = []
+        self.text: list[str] = []  # the answer's text, as the steps released it
         self.plan_s = 0.0
-        self._owned: Sequence | None = None  # the sequence while this inference holds its blocks
+        self._seq: Sequence | None = None  # the sequence while this inference holds its blocks
 
-    def steps(self) -> Generator[PrefillProgress | StepEvent, None, None]:
+    def __enter__(self) -> Inference:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """The one way out: the blocks not handed over go back, whatever ended the block."""
+        if self._seq is not None:
+            self.setup.engine.free(self._seq)
+            self._seq = None
+
+    def compose(self, reserve_tokens: int = 0) -> ComposedSequence:
+        """The context's sequence with KV reused per the mode, room checked for `reserve_tokens` more.
+        Its blocks are this inference's from the first one taken."""
+        engine = self.setup.engine
+        gen_ids = self.setup.format.generation_prompt_ids()
+        token_ids = [t for c in self.chunks for t in c.token_ids] + gen_ids
+        _check_room(engine, len(token_ids), reserve_tokens)
+        self._seq = engine.new_sequence(token_ids)
+        mode = self.setup.mode
+        inv_freq = rotary_inv_freq(engine.model) if mode is not ReuseMode.EXACT else None
+        self.composed = compose(engine, self._seq, self.chunks, mode, self.setup.repair, inv_freq)
+        missing = -(-(len(token_ids) + reserve_tokens) // engine.block_size) - len(self._seq.block_table)
+        if missing > engine.blocks.num_free:
+            free = engine.blocks.num_free
+            raise CacheFullError(f"KV cache full: {missing} more blocks needed for the answer, {free} free")
+        return self.composed
+
+    def steps(self) -> Generator[PrefillProgress | GenerationStep, None, None]:
         """Stream the prefill's progress and the answer. A KeyboardInterrupt (raised inside, or thrown
         in at a yield) ends it quietly: what was generated so far is the answer."""
         t0 = time.perf_counter()
         close_ids = self.setup.format.assistant_close_ids()
         try:
-            self.composed = self._compose(self.chunks, self.params.max_tokens + len(close_ids))
-            self._owned = seq = self.composed.seq
+            seq = self.compose(self.params.max_tokens + len(close_ids)).seq
             self.plan_s = time.perf_counter() - t0
             self.prompt_len = seq.num_tokens
             fmt = self.setup.format
@@ -126,7 +119,7 @@ class Inference:
                     self.text.append(step.text)
                     if step.finish_reason:
                         self.finish_reason = step.finish_reason
-                    yield StepEvent(step.text, step.thinking, step.token_id, step.stats.num_generated)
+                    yield step
             finally:
                 steps.close()
         except KeyboardInterrupt:
@@ -134,15 +127,15 @@ class Inference:
 
     @property
     def generated_ids(self) -> list[int]:
-        seq = self._seq
+        seq = self.composed.seq if self.composed else None
         return [] if seq is None else seq.token_ids[self.prompt_len : self.prompt_len + self._num_generated]
 
     def close_turn(self) -> Answer | None:
         """End the answer with the end-of-turn tokens and compute the KV still missing, so the whole
         turn can be reused. None when nothing was generated (cancelled in the prefill)."""
-        if self.last is None or self._owned is None:
+        if self.last is None or self._seq is None:
             return None
-        engine, seq = self.setup.engine, self._owned
+        engine, seq = self.setup.engine, self._seq
         fmt = self.setup.format
         close_ids = fmt.assistant_close_ids()
         generated = self.generated_ids
@@ -156,17 +149,34 @@ class Inference:
         _, _, had_think = split_think(generated, fmt.think_ids)
         return Answer("".join(self.text).strip(), seq.token_ids[start:], start, had_think, self.finish_reason)
 
-    def adopt(self) -> Sequence:
-        """Hand the sequence (and its block references) to the caller."""
-        seq, self._owned = self._owned, None
+    def hand_over(self) -> Sequence:
+        """Give the sequence (and its block references) to the caller, who keeps it."""
+        seq, self._seq = self._seq, None
         assert seq is not None
         return seq
 
-    def release(self) -> None:
-        """Free the sequence unless it was adopted."""
-        if self._owned is not None:
-            self.setup.engine.free(self._owned)
-            self._owned = None
+    def keep(self, registry: ChunkRegistry) -> tuple[Chunk, Sequence] | None:
+        """Close the turn and hand it over as kept chunks: the answer becomes an output chunk of
+        `registry` with its KV pinned, the chunks computed exactly get spans over it, and the sequence
+        (with its block references) goes to the caller. None when nothing was generated."""
+        answer = self.close_turn()
+        if answer is None:
+            return None  # cancelled in the prefill: what it computed stays cached
+        blocks, seq = self.setup.engine.blocks, self.hand_over()
+        output = registry.add_output(
+            answer.text,
+            answer.token_ids,
+            had_think=answer.had_think,
+            source_ids=tuple(c.chunk_id for c in self.chunks),
+            finish_reason=answer.finish_reason,
+        )
+        exact = seq.exact_limit >= seq.num_tokens
+        output.span = KVSpan.of(blocks, seq, answer.start, seq.num_tokens, exact, pinned=True)
+        assert self.composed is not None
+        for chunk, a, b in self.composed.chunk_ranges:
+            if b <= seq.exact_limit and (chunk.span is None or not chunk.span.is_valid(blocks)):
+                chunk.span = KVSpan.of(blocks, seq, a, b, exact=True, pinned=False)
+        return output, seq
 
     def result(self, output: Chunk | None) -> InferenceResult:
         composed = self.composed
@@ -193,9 +203,20 @@ class Inference:
         )
 
     @property
-    def _seq(self) -> Sequence | None:
-        return self.composed.seq if self.composed else None
-
-    @property
     def _num_generated(self) -> int:
         return self.last.stats.num_generated if self.last else 0
+
+
+def _check_room(engine: Engine, num_tokens: int, reserve_tokens: int) -> None:
+    limit = engine.max_positions
+    if limit is not None and num_tokens + reserve_tokens > limit:
+        raise CacheFullError(
+            f"this context ({num_tokens} tokens) plus {reserve_tokens} for the answer is longer than the "
+            f"model's {limit} positions; drop chunks or lower --max-tokens"
+        )
+    capacity = engine.blocks.num_blocks * engine.block_size
+    if num_tokens + reserve_tokens > capacity:
+        raise CacheFullError(
+            f"this context ({num_tokens} tokens) plus {reserve_tokens} for the answer does not fit in "
+            f"the KV budget ({capacity} tokens); drop chunks or raise --kv-memory"
+        )

@@ -18,8 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from kvchat.chunks.registry import Chunk
-from kvchat.chunks.spans import KVSpan
+from kvchat.chunks.chunk import Chunk, KVSpan
 from kvchat.chunks.types import Role
 from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import Sequence

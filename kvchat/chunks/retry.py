@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvchat.chunks.registry import Chunk, ChunkRegistry
+from kvchat.chunks.chunk import Chunk, ChunkRegistry
 from kvchat.errors import ChunkError
 
 

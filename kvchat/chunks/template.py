@@ -9,8 +9,7 @@ What the templates we test against do:
   as a system message when the first message is not a system message.
 - Qwen2.5: ChatML; inserts "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
   the same way.
-- Qwen3: ChatML, no default system prompt. With enable_thinking=False the generation prompt ends
-  with an empty "<think>\\n\\n</think>\\n\\n" block. Assistant turns before the last user query
+- Qwen3: ChatML, no default system prompt, thinking enabled. Assistant turns before the last user query
   lose their reasoning (everything up to "</think>" is dropped); an assistant turn after the last
   user query (e.g. the final message) gets a "<think>...</think>" block. segment_ids("assistant")
   renders a turn before a later user message, so it has no think block.
@@ -61,9 +60,8 @@ class ChatFormat:
     one). Raises ChunkError when the template cannot be split into such segments.
     """
 
-    def __init__(self, tokenizer: Any, enable_thinking: bool | None = None) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self.enable_thinking = enable_thinking
         self.uses_fallback_template = not getattr(tokenizer, "chat_template", None)
         # A user or assistant segment is cut out of [system probe, message, user probe]: the
         # trailing user message keeps Qwen3 from treating an assistant probe as the final turn.
@@ -114,8 +112,8 @@ class ChatFormat:
         """The ids of one message as the template renders it mid-conversation.
 
         A "system" message is rendered as the first message (it holds any BOS the template
-        writes). "assistant" text goes through the template, so Qwen3 drops a think span in it;
-        use `assistant_segment_ids` to keep generated ids as they are.
+        writes). "assistant" text goes through the template, so Qwen3 drops a think span in it; an
+        answer is kept as the ids it was generated as (generation prompt, answer, close) instead.
         """
         if role not in ROLES:
             raise ChunkError(f"unknown chat role {role!r}: expected one of {', '.join(ROLES)}")
@@ -129,20 +127,8 @@ class ChatFormat:
         """The ids that close an assistant turn after its content (e.g. "<|im_end|>\\n")."""
         return list(self._assistant_close_ids)
 
-    def assistant_segment_ids(self, content_ids: list[int]) -> list[int]:
-        """An earlier output reused as an assistant turn: generation prompt + its ids + close.
-
-        This keeps what the model saw when it generated the output, so for Qwen3 it can differ
-        from the template's history rendering (which drops reasoning and, with
-        enable_thinking=False, the empty think block of the generation prompt).
-        """
-        return self._generation_prompt_ids + list(content_ids) + self._assistant_close_ids
-
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         kwargs: dict[str, Any] = {}
-        # Qwen3's template tests `enable_thinking is defined`: pass it only when chosen.
-        if self.enable_thinking is not None:
-            kwargs["enable_thinking"] = self.enable_thinking
         if self.uses_fallback_template:
             kwargs["chat_template"] = CHATML_TEMPLATE
         try:

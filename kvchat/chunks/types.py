@@ -1,9 +1,13 @@
-"""The records the chunk layer returns. Plain data: the CLI renders them, tests inspect them."""
+"""The chunk layer's vocabulary and records: roles and reuse modes, a chunk as the user sees it
+(/chunks, /show, /stats), and what an inference did (its result, per chunk). Plain data."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+from kvchat.engine.records import GenerationStep, PrefillProgress
 
 
 class Role(StrEnum):
@@ -67,16 +71,6 @@ class ChunkReport:
 
 
 @dataclass(frozen=True)
-class StepEvent:
-    """One streamed piece of an inference: the text it added and the running counts."""
-
-    text: str  # answer text delta (UTF-8 safe, think spans excluded)
-    thinking: str  # thinking text delta (inside <think> ... </think>)
-    token_id: int
-    num_generated: int
-
-
-@dataclass(frozen=True)
 class InferenceResult:
     """The end of an inference: what was generated and what it cost."""
 
@@ -103,21 +97,9 @@ class InferenceResult:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
-@dataclass(frozen=True)
-class FidelityReport:
-    """A chosen reuse mode compared with a full recompute of the same context."""
-
-    mode: ReuseMode
-    kl_divergence: float  # KL(full || mode) of the next-token distribution
-    top1_agree: bool
-    top5_overlap: int  # of 5
-    max_logit_diff: float
-    greedy_agree: int  # leading greedy tokens equal before the first difference
-    greedy_tokens: int  # positions compared (N, or fewer when the answer ended)
-    top1_rate: float  # share of compared positions whose top-1 token agrees (teacher-forced)
-    reused_tokens: int
-    repositioned_tokens: int
-    computed_tokens: int
+# An inference as it streams: the prefill's progress, each step, then the InferenceResult. A generator,
+# so that Ctrl-C can be thrown into it.
+InferenceStream = Generator[PrefillProgress | GenerationStep | InferenceResult, None, None]
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvchat.chunks.reports import AttentionReport, Comparison
 from kvchat.chunks.types import ChunkDetail, ReuseMode
-from kvchat.chunks.view_records import AttentionReport, Comparison
 from kvchat.cli.results import ChunkHeat
 from kvchat.errors import CommandError
 

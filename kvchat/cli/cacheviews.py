@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvchat.chunks.blockmap import CACHED, PINNED, BlockCell, BlockMap
-from kvchat.chunks.view_records import AttentionReport, Comparison, ModeAnswer
+from kvchat.chunks.reports import AttentionReport, Comparison, ModeAnswer
 from kvchat.cli.results import ChunkHeat
 
 _BASE = ("blue", "green", "magenta", "cyan", "yellow", "red")

@@ -11,17 +11,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat.chunks.blockmap import BlockMap, cache_map
-from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, ReuseMode
-from kvchat.chunks.view_records import AttentionReport, Comparison
+from kvchat.chunks.reports import AttentionReport, Comparison, FidelityReport
+from kvchat.chunks.types import CacheStats, ChunkDetail, InferenceStream, ReuseMode
 from kvchat.cli import cache_commands, habit_commands
 from kvchat.cli.arguments import count, read_text
-from kvchat.cli.registry import ArgKind, Command, CommandRegistry, command, split_command
 from kvchat.cli.results import (
     ChunkChange,
     ChunkHeat,
     ChunkList,
     HelpView,
-    Inference,
     Notice,
     OutputList,
     Quit,
@@ -36,6 +34,7 @@ from kvchat.cli.settings import (
     shown_value,
     user_config_file,
 )
+from kvchat.cli.slash_commands import ArgKind, Command, CommandRegistry, command
 from kvchat.config import replace_setting
 from kvchat.errors import CommandError
 
@@ -55,9 +54,9 @@ class Shell:
         self.notify: Callable[[str], None] | None = None  # progress of a long command, one line each
         self.commands = CommandRegistry(self)
 
-    def execute(self, line: str) -> tuple[str, Any]:
-        """Run one line (plain text is a chat turn); returns the command's name and its record."""
-        parts = split_command(line)
+    def execute(self, line: str, parts: tuple[str, str] | None) -> tuple[str, Any]:
+        """Run one line, split by the caller (`split_command(line)`; None: plain text, a chat turn);
+        returns the command's name and its record."""
         if parts is None:
             return "chat", self.chat(line)
         name, arg = parts
@@ -68,10 +67,10 @@ class Shell:
             raise CommandError(f"missing argument: {cmd.synopsis}")
         return cmd.name, cmd.handler(arg)
 
-    def chat(self, text: str) -> Inference:
+    def chat(self, text: str) -> InferenceStream:
         if not text.strip():
             raise CommandError("empty message")
-        return Inference(self.ctx.chat(text.strip(), self.settings.sampling))
+        return self.ctx.chat(text.strip(), self.settings.sampling)
 
     @command("system", "Set the system prompt", usage="TEXT", arg=ArgKind.TEXT)
     def system(self, arg: str) -> ChunkChange:
@@ -101,7 +100,7 @@ class Shell:
         return ChunkChange("query set", self.ctx.set_query(arg))
 
     @command("infer", "Generate from the current context and query")
-    def infer(self, arg: str) -> Inference:
+    def infer(self, arg: str) -> InferenceStream:
         """Generates an answer from the current context (system prompt, context chunks and reused
         outputs, conversation turns, query) and keeps it as a retained output. Sampling follows
         /set sampling.* (max_tokens bounds the answer). Ctrl-C stops it and keeps what was generated.
@@ -117,7 +116,7 @@ class Shell:
         A table per chunk (tokens, reused, repositioned, computed) follows when a chunk before the new
         one was not simply reused, that is when the cache missed or moved something.
         """
-        return Inference(self.ctx.infer(self.settings.sampling))
+        return self.ctx.infer(self.settings.sampling)
 
     retry = habit_commands.retry
 

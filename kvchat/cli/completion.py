@@ -9,8 +9,8 @@ from prompt_toolkit.document import Document
 
 from kvchat.chunks.types import ReuseMode
 from kvchat.cli.commands import Shell
-from kvchat.cli.registry import PREFIX, ArgKind
 from kvchat.cli.settings import setting_info, setting_values, shown_value
+from kvchat.cli.slash_commands import PREFIX, ArgKind
 from kvchat.cli.views import preview
 from kvchat.errors import KvchatError
 from kvchat.settings_schema import all_settings

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kvchat.cli.registry import command
-from kvchat.cli.results import Inference
+from kvchat.chunks.types import InferenceStream
+from kvchat.cli.slash_commands import command
 
 if TYPE_CHECKING:
     from kvchat.cli.commands import Shell
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 @command("retry", "Generate the last answer again, in its place")
-def retry(self: Shell, arg: str) -> Inference:
+def retry(self: Shell, arg: str) -> InferenceStream:
     """Answers again what the newest output answered (a chat message or /infer), from the same
     context: with sampling a new sample, greedily (temperature 0) the same answer. The answer it
     replaces is deleted: its output number is not used again, its text is gone, and its KV blocks
@@ -23,7 +23,7 @@ def retry(self: Shell, arg: str) -> Inference:
     the new answer after it. Refused when the context changed since that answer (say, a new /query
     or /system), or when that output is itself in the context (/use-output).
     """
-    return Inference(self.ctx.retry(self.settings.sampling))
+    return self.ctx.retry(self.settings.sampling)
 
 
 @command("info", "The model: source, family, parameters, dtype, context length, template, KV budget")

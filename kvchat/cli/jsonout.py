@@ -8,9 +8,8 @@ from dataclasses import asdict
 from typing import Any
 
 from kvchat.chunks.blockmap import BlockMap
-from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceResult
-from kvchat.chunks.view_records import AttentionReport, Comparison, ModeAnswer
-from kvchat.cli.registry import Command
+from kvchat.chunks.reports import AttentionReport, Comparison, FidelityReport, ModeAnswer
+from kvchat.chunks.types import CacheStats, ChunkDetail, InferenceResult
 from kvchat.cli.results import (
     ChunkChange,
     ChunkHeat,
@@ -21,6 +20,7 @@ from kvchat.cli.results import (
     Quit,
     SettingsView,
 )
+from kvchat.cli.slash_commands import Command
 from kvchat.models.info import ModelInfo
 
 

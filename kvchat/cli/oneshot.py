@@ -18,7 +18,7 @@ def run_prompt(shell: Shell, ui: UI, prompt: str) -> int:
     try:
         inference = shell.chat(prompt)
         show_thinking = shell.settings.ui.show_thinking
-        result = consume(inference.stream, lambda event: ui.step(event, show_thinking))
+        result = consume(inference, lambda event: ui.step(event, show_thinking))
     except KvchatError as exc:
         ui.error("chat", str(exc))
         return 1

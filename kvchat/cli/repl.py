@@ -24,8 +24,8 @@ from prompt_toolkit.output import ColorDepth, Output
 
 from kvchat.cli.commands import Shell
 from kvchat.cli.completion import ShellCompleter
-from kvchat.cli.registry import join_block
 from kvchat.cli.runner import Status, run_line
+from kvchat.cli.slash_commands import join_block
 from kvchat.cli.ui import UI
 
 FENCE = '"""'

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvchat.chunks.types import ChunkDetail, ChunkInfo, InferenceResult, StepEvent
-from kvchat.cli.registry import Command
-from kvchat.engine.records import PrefillProgress
-
-
-@dataclass(frozen=True)
-class Inference:
-    """A generation to run: the runner consumes the stream, the UI shows it as it comes."""
-
-    stream: Iterator[
-        PrefillProgress | StepEvent | InferenceResult
-    ]  # a generator: the runner throws Ctrl-C into it
+from kvchat.chunks.types import ChunkDetail, ChunkInfo
+from kvchat.cli.slash_commands import Command
 
 
 @dataclass(frozen=True)

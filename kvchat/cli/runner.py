@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterator
 from enum import Enum
 
-from kvchat.chunks.types import InferenceResult, StepEvent
+from kvchat.chunks.types import InferenceResult
 from kvchat.cli.commands import Shell
-from kvchat.cli.registry import split_command
-from kvchat.cli.results import Inference, Quit
+from kvchat.cli.results import Quit
+from kvchat.cli.slash_commands import split_command
 from kvchat.cli.ui import UI
-from kvchat.engine.records import PrefillProgress
+from kvchat.engine.records import GenerationStep, PrefillProgress
 from kvchat.errors import KvchatError
 
 
@@ -25,10 +25,10 @@ def run_line(shell: Shell, ui: UI, line: str, lineno: int | None = None) -> Stat
     parts = split_command(line)
     typed_name = parts[0] if parts else "chat"
     try:
-        cmd, record = shell.execute(line)
-        if isinstance(record, Inference):
+        cmd, record = shell.execute(line, parts)
+        if isinstance(record, Generator):  # an inference, streamed as it runs
             show_thinking = shell.settings.ui.show_thinking
-            record = consume(record.stream, lambda event: ui.step(event, show_thinking))
+            record = consume(record, lambda event: ui.step(event, show_thinking))
     except KvchatError as exc:
         ui.error(typed_name, str(exc), lineno)
         return Status.FAILED
@@ -41,8 +41,8 @@ def run_line(shell: Shell, ui: UI, line: str, lineno: int | None = None) -> Stat
 
 
 def consume(
-    stream: Iterator[PrefillProgress | StepEvent | InferenceResult],
-    on_step: Callable[[PrefillProgress | StepEvent], None],
+    stream: Iterator[PrefillProgress | GenerationStep | InferenceResult],
+    on_step: Callable[[PrefillProgress | GenerationStep], None],
 ) -> InferenceResult:
     """Drive an inference stream to its InferenceResult, showing each step.
 
@@ -65,8 +65,8 @@ def consume(
 
 
 def _drain(
-    item: PrefillProgress | StepEvent | InferenceResult,
-    stream: Iterator[PrefillProgress | StepEvent | InferenceResult],
+    item: PrefillProgress | GenerationStep | InferenceResult,
+    stream: Iterator[PrefillProgress | GenerationStep | InferenceResult],
 ) -> InferenceResult:
     # After a throw the contract is an immediate result; tolerate stray steps without showing them.
     while not isinstance(item, InferenceResult):

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from kvchat.cli.commands import Shell
-from kvchat.cli.registry import join_block
 from kvchat.cli.runner import Status, run_line
+from kvchat.cli.slash_commands import join_block
 from kvchat.cli.ui import UI
 
 MAX_LINE_BYTES = 1 << 20

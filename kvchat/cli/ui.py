@@ -14,8 +14,8 @@ from rich.text import Text
 from rich.theme import Theme
 
 from kvchat.chunks.blockmap import BlockMap
-from kvchat.chunks.types import CacheStats, ChunkDetail, FidelityReport, InferenceResult, StepEvent
-from kvchat.chunks.view_records import AttentionReport, Comparison
+from kvchat.chunks.reports import AttentionReport, Comparison, FidelityReport
+from kvchat.chunks.types import CacheStats, ChunkDetail, InferenceResult
 from kvchat.cli import cacheviews, jsonout, views
 from kvchat.cli.results import (
     ChunkChange,
@@ -28,7 +28,7 @@ from kvchat.cli.results import (
     SettingsView,
 )
 from kvchat.cli.softwrap import SoftWrap
-from kvchat.engine.records import PrefillProgress
+from kvchat.engine.records import GenerationStep, PrefillProgress
 from kvchat.models.info import ModelInfo
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class UI:
         self._prefill_bar: Progress | None = None
         self._prefill_task = TaskID(0)
 
-    def step(self, event: PrefillProgress | StepEvent, show_thinking: bool = True) -> None:
+    def step(self, event: PrefillProgress | GenerationStep, show_thinking: bool = True) -> None:
         """Print one streamed delta (thinking text dim, or not at all when hidden), or move the
         progress bar of a long prefill."""
         if self.json_lines:

@@ -6,12 +6,12 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.types import (
     CacheStats,
     ChunkDetail,
     ChunkInfo,
     ChunkReport,
-    FidelityReport,
     InferenceResult,
 )
 from kvchat.cli.results import ChunkChange, HelpView, SettingsView

@@ -68,8 +68,6 @@ class StreamDetokenizer:
         self._answer = _IncrementalDecoder(tokenizer)
         self._thinking = _IncrementalDecoder(tokenizer)
         self._in_think = False
-        self._answer_parts: list[str] = []
-        self._thinking_parts: list[str] = []
 
     def add(self, token_id: int) -> tuple[str, str]:
         """Feed one id; return the (answer, thinking) text it made final, often empty."""
@@ -79,29 +77,12 @@ class StreamDetokenizer:
             self._in_think = token_id == self.think_ids[0]
             return "", ""
         if self._in_think:
-            thinking = self._thinking.add(token_id)
-            self._thinking_parts.append(thinking)
-            return "", thinking
-        answer = self._answer.add(token_id)
-        self._answer_parts.append(answer)
-        return answer, ""
+            return "", self._thinking.add(token_id)
+        return self._answer.add(token_id), ""
 
     def finish(self) -> tuple[str, str]:
         """Release what is held back (a dangling partial character becomes "\ufffd")."""
-        answer, thinking = self._answer.finish(), self._thinking.finish()
-        self._answer_parts.append(answer)
-        self._thinking_parts.append(thinking)
-        return answer, thinking
-
-    @property
-    def text(self) -> str:
-        """The answer text emitted so far."""
-        return "".join(self._answer_parts)
-
-    @property
-    def thinking(self) -> str:
-        """The thinking text emitted so far."""
-        return "".join(self._thinking_parts)
+        return self._answer.finish(), self._thinking.finish()
 
 
 def split_think(token_ids: list[int], think_ids: tuple[int, int] | None) -> tuple[list[int], list[int], bool]:

@@ -7,8 +7,6 @@ its leading tokens; `compute` runs the model over the rest, in pieces of at most
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -37,7 +35,6 @@ class Engine:
         kv_memory_bytes: int = 512 << 20,
         block_size: int = 16,
         prefill_chunk: int = 512,
-        paged: bool = True,
     ):
         self.model = model
         self.block_size, self.prefill_chunk = block_size, prefill_chunk
@@ -53,18 +50,8 @@ class Engine:
                 f"KV memory {kv_memory_bytes} bytes holds no block of {self.bytes_per_block} bytes"
             )
         self.blocks = BlockManager(num_blocks, block_size)
-        self.pool = (
-            KVPool(
-                self.num_layers,
-                num_blocks,
-                block_size,
-                self.num_kv_heads,
-                self.head_dim,
-                self.dtype,
-                self.device,
-            )
-            if paged
-            else None
+        self.pool = KVPool(
+            self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
         )
         self.workspace = KVWorkspace(
             self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device
@@ -80,47 +67,50 @@ class Engine:
     # -- sequence lifecycle ------------------------------------------------------------------------
 
     def start(self, token_ids: list[int], reuse: bool = True, index: bool = True) -> Sequence:
-        """A new sequence over `token_ids`, sharing the longest exact prefix already cached (unless not
-        `reuse`); with `index`, the KV it computes is declared reusable in turn.
-
-        At least the last token is left to compute, so the caller always gets logits.
-        """
-        assert token_ids, "a sequence needs at least one token"
-        seq = Sequence(list(token_ids), self.block_size, seq_id=next(self._seq_ids), indexed=index)
-        if self.pool is None:
-            return seq
-        match = self.blocks.match_prefix(token_ids, max_tokens=len(token_ids) - 1) if reuse else None
-        shared = match.shared_block_ids if match else []
-        copy_from = [match.copy_from] if match and match.copy_from is not None and match.num_copy else []
-        with self.owning(seq):
-            for block_id in shared:
-                self.blocks.acquire(block_id)
-                seq.block_table.append(block_id)
-            with self.blocks.hold(copy_from):  # kept from being evicted by the allocation below
-                seq.block_table += self.blocks.allocate(seq.num_blocks_needed - len(shared))
-                seq.num_computed = seq.num_recorded = len(shared) * self.block_size
-                if copy_from:
-                    assert match is not None
-                    src = torch.arange(match.num_copy, device=self.device) + copy_from[0] * self.block_size
-                    dst = self._slots(seq, seq.num_computed, seq.num_computed + match.num_copy)
-                    self.pool.copy(src, dst)
-                    seq.num_computed += match.num_copy
-            self._record(seq)
-        return seq
-
-    @contextmanager
-    def owning(self, seq: Sequence) -> Iterator[Sequence]:
-        """Free `seq` if the `with` body fails (an error or an interrupt), so no block is left held."""
+        """A new sequence over `token_ids` with its blocks (see `admit`). The caller owns it: free it or
+        hand it on. A failure part-way frees what it took."""
+        seq = self.new_sequence(token_ids, index)
         try:
-            yield seq
+            self.admit(seq, reuse)
         except BaseException:
             self.free(seq)
             raise
+        return seq
+
+    def new_sequence(self, token_ids: list[int], index: bool = True) -> Sequence:
+        """A sequence over `token_ids` holding no block yet; with `index`, the KV it computes is declared
+        reusable in turn."""
+        assert token_ids, "a sequence needs at least one token"
+        return Sequence(list(token_ids), self.block_size, seq_id=next(self._seq_ids), indexed=index)
+
+    def admit(self, seq: Sequence, reuse: bool = True) -> None:
+        """Give a new sequence its blocks, sharing the longest exact prefix already cached (unless not
+        `reuse`). Each block is in `seq.block_table` from the moment it is taken, so freeing the sequence
+        after a failure part-way returns all of them. At least the last token is left to compute, so
+        the caller always gets logits."""
+        assert not seq.block_table and seq.num_computed == 0, "admit a new sequence once"
+        token_ids = seq.token_ids
+        match = self.blocks.match_prefix(token_ids, max_tokens=len(token_ids) - 1) if reuse else None
+        shared = match.shared_block_ids if match else []
+        copy_from = [match.copy_from] if match and match.copy_from is not None and match.num_copy else []
+        for block_id in shared:
+            self.blocks.acquire(block_id)
+            seq.block_table.append(block_id)
+        with self.blocks.hold(copy_from):  # kept from being evicted by the allocation below
+            seq.block_table += self.blocks.allocate(seq.num_blocks_needed - len(shared))
+            seq.num_computed = seq.num_recorded = len(shared) * self.block_size
+            if copy_from:
+                assert match is not None
+                src = torch.arange(match.num_copy, device=self.device) + copy_from[0] * self.block_size
+                dst = self._slots(seq, seq.num_computed, seq.num_computed + match.num_copy)
+                self.pool.copy(src, dst)
+                seq.num_computed += match.num_copy
+        self._record(seq)
 
     def extend(self, seq: Sequence, token_ids: list[int]) -> None:
         """Append tokens to a sequence (their KV is computed by the next `compute`)."""
         seq.token_ids.extend(token_ids)
-        if self.pool is not None and seq.num_blocks_needed > len(seq.block_table):
+        if seq.num_blocks_needed > len(seq.block_table):
             seq.block_table += self.blocks.allocate(seq.num_blocks_needed - len(seq.block_table))
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
@@ -137,8 +127,6 @@ class Engine:
         ws = self.workspace
         if ws.owner == (seq.seq_id, seq.kv_version):
             ws.length = min(ws.length, seq.num_computed)
-        if self.pool is None:
-            return
         dropped = seq.block_table[seq.num_blocks_needed :]
         del seq.block_table[seq.num_blocks_needed :]
         self.blocks.discard(dropped)
@@ -152,8 +140,7 @@ class Engine:
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks; their exact KV stays findable until evicted."""
-        if self.pool is not None:
-            self.blocks.release(seq.block_table)
+        self.blocks.release(seq.block_table)
         seq.block_table = []
         if self.workspace.owner and self.workspace.owner[0] == seq.seq_id:
             self.workspace.clear()
@@ -215,7 +202,7 @@ class Engine:
     def _record(self, seq: Sequence) -> None:
         """Declare the sequence's newly computed exact KV reusable, block by block."""
         limit = min(seq.num_computed, seq.exact_limit)
-        if self.pool is None or not seq.indexed or limit <= seq.num_recorded:
+        if not seq.indexed or limit <= seq.num_recorded:
             return
         bs = self.block_size
         for index in range(seq.num_recorded // bs, (limit - 1) // bs + 1):
@@ -236,12 +223,11 @@ class Engine:
 
     def read_kv(self, seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of positions start..end-1 of a sequence: (L, T, H, D) each."""
-        assert self.pool is not None and end <= seq.num_computed
+        assert end <= seq.num_computed
         return self.pool.gather(self._slots(seq, start, end))
 
     def gather(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at pool slots: (L, T, H, D) each."""
-        assert self.pool is not None
         return self.pool.gather(torch.tensor(slots, dtype=torch.long, device=self.device))
 
     def write_kv(
@@ -249,7 +235,7 @@ class Engine:
     ) -> None:
         """Place K/V (L, T, H, D) at positions start.. of a sequence. Unless `exact` (KV known to be
         what a forward would compute, e.g. loaded from a file), nothing from `start` on is reusable."""
-        assert self.pool is not None and start == seq.num_computed
+        assert start == seq.num_computed
         end = start + keys.shape[1]
         self.pool.scatter(self._slots(seq, start, end), keys, values)
         if not exact:

@@ -4,47 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
 
 import torch
 
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
-from kvchat.engine.records import PrefillProgress
+from kvchat.engine.records import GenerationStats, GenerationStep, PrefillProgress
 from kvchat.engine.sampling import Sampler, SamplingParams, make_sampler
 from kvchat.engine.sequence import Sequence
 from kvchat.engine.speculate import DraftBudget, Speculation
-
-
-@dataclass(frozen=True)
-class GenerationStats:
-    prompt_tokens: int
-    reused_tokens: int  # prompt tokens whose KV was already in the cache
-    computed_tokens: int  # prompt tokens computed by the prefill
-    num_generated: int
-    ttft_s: float  # from the start of the prefill to the first sampled token
-    prefill_s: float
-    decode_s: float
-    drafted_tokens: int = 0  # tokens proposed by speculative drafting
-    accepted_tokens: int = 0  # drafted tokens the model accepted
-
-    @property
-    def prefill_tok_s(self) -> float:
-        return self.computed_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        steps = self.num_generated - 1  # the first token comes from the prefill
-        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class GenerationStep:
-    token_id: int
-    text: str  # answer text that became final with this token
-    thinking: str  # thinking text that became final with this token
-    finish_reason: str | None  # set on the last step: "stop", "stop_string" or "length"
-    stats: GenerationStats
 
 
 class StopStrings:
@@ -94,6 +62,7 @@ def generate(
     drafter = speculation.make_drafter(engine.model.config.vocab_size) if speculation else None
     budget = DraftBudget(speculation.draft_max if speculation else 0)
     t0 = time.perf_counter()
+    num_kept = prompt_tokens  # the sequence up to the last token yielded
     try:
         while seq.num_tokens - seq.num_computed > engine.prefill_chunk:
             engine.compute(seq, until=seq.num_computed + engine.prefill_chunk)
@@ -108,7 +77,7 @@ def generate(
             for i, token in enumerate(run):
                 n += 1
                 text, thinking, finish = ends.add(token, n)
-                num_kept = seq.num_tokens - (len(run) - 1 - i)  # the sequence up to this token
+                num_kept = seq.num_tokens - (len(run) - 1 - i)
                 if finish is not None:
                     _keep(engine, seq, num_kept)  # an accepted run may go on past the end
                 decode_s += time.perf_counter() - t_step  # the consumer's time between steps is not counted
@@ -116,11 +85,7 @@ def generate(
                     *(prompt_tokens, reused, prompt_tokens - reused, n, ttft, t_prefill, decode_s),
                     *(budget.num_drafted, budget.num_accepted),
                 )
-                try:
-                    yield GenerationStep(token, text, thinking, finish, stats)
-                except BaseException:
-                    _keep(engine, seq, num_kept)  # what was yielded, no more
-                    raise
+                yield GenerationStep(token, text, thinking, finish, stats)
                 t_step = time.perf_counter()
                 if finish is not None:
                     return
@@ -133,6 +98,10 @@ def generate(
             drafts = drafter.propose(seq.token_ids, size) if drafter and size > 0 else []
             run = _advance(engine, seq, sampler, seen, drafts)
             budget.update(len(drafts), len(run) - 1 if drafts else 0)
+    except BaseException:  # Ctrl-C, an error, the stream closed: back to what was yielded, no more
+        if num_kept > prompt_tokens:
+            _keep(engine, seq, num_kept)
+        raise
     finally:
         if drafter:
             drafter.close()
@@ -186,19 +155,15 @@ def _advance(
         engine.extend(seq, [token])
         return [token]
     start = seq.num_tokens  # the drafts' first position
-    try:
-        engine.extend(seq, drafts)
-        logits = engine.compute(seq, all_logits=True, record=False)  # (1 + k, V)
-        tokens: list[int] = []
-        for i, draft in enumerate(drafts):
-            tokens.append(sampler.verify(logits[i], seen.with_drafts(drafts, i) if seen else None, draft))
-            if tokens[-1] != draft:
-                break
-        else:
-            tokens.append(sampler.sample(logits[-1], seen.with_drafts(drafts, len(drafts)) if seen else None))
-    except BaseException:  # Ctrl-C: back to the last token yielded, as if no draft had been made
-        _keep(engine, seq, start)
-        raise
+    engine.extend(seq, drafts)
+    logits = engine.compute(seq, all_logits=True, record=False)  # (1 + k, V)
+    tokens: list[int] = []
+    for i, draft in enumerate(drafts):
+        tokens.append(sampler.verify(logits[i], seen.with_drafts(drafts, i) if seen else None, draft))
+        if tokens[-1] != draft:
+            break
+    else:
+        tokens.append(sampler.sample(logits[-1], seen.with_drafts(drafts, len(drafts)) if seen else None))
     engine.truncate(seq, start + len(tokens) - 1)  # the rejected drafts' KV goes
     engine.extend(seq, tokens[-1:])
     return tokens
@@ -215,8 +180,6 @@ def _keep(engine: Engine, seq: Sequence, num_tokens: int) -> None:
 
 def _room(engine: Engine, seq: Sequence) -> int:
     """How many tokens the sequence can grow by without evicting cached KV to hold them."""
-    if engine.pool is None:
-        return engine.prefill_chunk
     bs = engine.block_size
     held = len(seq.block_table) * bs - seq.num_tokens
     return held + bs * engine.blocks.num_free_empty(engine.prefill_chunk // bs + 1)

@@ -29,18 +29,6 @@ class KVPool:
     ) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
-    @property
-    def num_layers(self) -> int:
-        return self.keys.shape[0]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.keys.shape[1] // self.block_size
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store one layer's new K/V, given as (1, H, q, D) the way attention produces them."""
         self.keys[layer].index_copy_(0, slots, keys[0].transpose(0, 1))  # (q, H, D)

@@ -1,12 +1,13 @@
-"""How much a reuse mode changed the answer: the current context in the chosen mode against a full
-recompute of the same tokens. This is how a user sees whether reuse changed what the model says."""
+"""`/verify`: how much a reuse mode changed the answer, the current context in the chosen mode against
+a full recompute of the same tokens. This is how a user sees whether reuse changed what the model says."""
 
 from __future__ import annotations
 
 import torch
 
 from kvchat.chunks.compose import ComposedSequence
-from kvchat.chunks.types import FidelityReport, ReuseMode
+from kvchat.chunks.reports import FidelityReport
+from kvchat.chunks.types import ReuseMode
 from kvchat.engine.engine import Engine
 from kvchat.errors import CacheFullError
 
@@ -28,26 +29,25 @@ def compare_logits(full: torch.Tensor, approx: torch.Tensor) -> tuple[float, boo
     )
 
 
-def verify(
+def measure_fidelity(
     composed: ComposedSequence,
     engine: Engine,
     mode: ReuseMode,
     eos_token_ids: frozenset[int],
     num_tokens: int,
 ) -> FidelityReport:
-    """Compare a composed context (whose sequence this takes over and frees) with a full recompute of
-    the same tokens, teacher-forced over up to `num_tokens` greedy tokens."""
+    """Compare a composed context (whose sequence the caller owns) with a full recompute of the same
+    tokens, teacher-forced over up to `num_tokens` greedy tokens."""
     approx_seq = composed.seq
-    with engine.owning(approx_seq):
-        approx = engine.compute(approx_seq)
-        try:
-            # Not indexed: a later /verify or /infer measures its own mode, not this recompute.
-            full_seq = engine.start(list(approx_seq.token_ids), reuse=False, index=False)
-        except CacheFullError:
-            raise CacheFullError(
-                f"/verify needs room for a second, fully recomputed copy of the context "
-                f"({approx_seq.num_blocks_needed} blocks; {engine.blocks.num_free} free): raise --kv-memory"
-            ) from None
+    approx = engine.compute(approx_seq)
+    try:
+        # Not indexed: a later /verify or /infer measures its own mode, not this recompute.
+        full_seq = engine.start(list(approx_seq.token_ids), reuse=False, index=False)
+    except CacheFullError:
+        raise CacheFullError(
+            f"/verify needs room for a second, fully recomputed copy of the context "
+            f"({approx_seq.num_blocks_needed} blocks; {engine.blocks.num_free} free): raise --kv-memory"
+        ) from None
     try:
         full = engine.compute(full_seq)
         kl, top1, top5, max_diff = compare_logits(full, approx)
@@ -66,7 +66,6 @@ def verify(
                 engine.extend(seq, [token])
             approx, full = engine.compute(approx_seq), engine.compute(full_seq)
     finally:
-        engine.free(approx_seq)
         engine.free(full_seq)
     return FidelityReport(
         mode=mode,

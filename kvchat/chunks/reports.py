@@ -1,11 +1,29 @@
-"""The records of the cache views that need the model to compute (/attention, /compare): plain data,
-importable without torch, so the CLI can name them before a model is loaded."""
+"""What the measuring commands report: /verify (a mode against a full recompute), /attention (where the
+last answer looked) and /compare (the query answered under each mode). Plain data: the CLI renders
+them, tests inspect them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvchat.chunks.types import ReuseMode
+
+
+@dataclass(frozen=True)
+class FidelityReport:
+    """A chosen reuse mode compared with a full recompute of the same context."""
+
+    mode: ReuseMode
+    kl_divergence: float  # KL(full || mode) of the next-token distribution
+    top1_agree: bool
+    top5_overlap: int  # of 5
+    max_logit_diff: float
+    greedy_agree: int  # leading greedy tokens equal before the first difference
+    greedy_tokens: int  # positions compared (N, or fewer when the answer ended)
+    top1_rate: float  # share of compared positions whose top-1 token agrees (teacher-forced)
+    reused_tokens: int
+    repositioned_tokens: int
+    computed_tokens: int
 
 
 @dataclass(frozen=True)
