@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
-import pytest
-
+from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.types import (
     CacheStats,
     ChunkDetail,
@@ -42,24 +41,52 @@ NUM_BLOCKS = 64
 Stream = Generator[StepEvent | InferenceResult, None, None]
 
 
-@pytest.fixture(autouse=True)
-def isolated_user_dirs(tmp_path, monkeypatch):
-    """Point home, config and history at a temp dir so no test reads or writes the user's.
+class ContextManagerContract(Protocol):
+    """What the CLI uses of a ContextManager; the real one and the fake below both implement it
+    (tests/test_fake_context.py compares their signatures with it, mypy their types)."""
 
-    Model caches stay where they are: a real-model test must not convert or download again.
-    """
-    home = Path.home()
-    monkeypatch.setenv(
-        "KVCHAT_CACHE_DIR", os.environ.get("KVCHAT_CACHE_DIR") or str(home / ".cache" / "kvchat")
-    )
-    monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME") or str(home / ".cache" / "huggingface"))
-    monkeypatch.setenv("XDG_CACHE_HOME", os.environ.get("XDG_CACHE_HOME") or str(home / ".cache"))
-    for var in ("HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_DATA_HOME"):
-        (tmp_path / var).mkdir(exist_ok=True)
-        monkeypatch.setenv(var, str(tmp_path / var))
-    for var in ("NO_COLOR", "FORCE_COLOR", "KVCHAT_CONFIG"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path
+    mode: ReuseMode
+    repair: RepairPolicy
+    speculation: Speculation
+    model_id: str
+
+    def set_system(self, text: str) -> ChunkInfo: ...
+
+    def add_context(self, text: str) -> ChunkInfo: ...
+
+    def set_query(self, text: str) -> ChunkInfo: ...
+
+    def use_output(self, number: int) -> ChunkInfo: ...
+
+    def drop(self, ref: str) -> ChunkInfo: ...
+
+    def clear(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def chunks(self) -> list[ChunkInfo]: ...
+
+    def chunk(self, ref: str) -> ChunkDetail: ...
+
+    def context(self) -> list[ChunkInfo]: ...
+
+    def outputs(self) -> list[ChunkInfo]: ...
+
+    def delete_output(self, number: int) -> ChunkInfo: ...
+
+    def infer(self, params: SamplingParams) -> Iterator[object]: ...
+
+    def chat(self, text: str, params: SamplingParams) -> Iterator[object]: ...
+
+    def verify(self, num_tokens: int = 16) -> FidelityReport: ...
+
+    def resolved_settings(self) -> dict[str, str]: ...
+
+    def stats(self) -> CacheStats: ...
+
+    def save(self, path: Path) -> int: ...
+
+    def load(self, path: Path) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -76,12 +103,13 @@ class _Chunk:
     token_ids: list[int]
 
 
-class FakeContextManager:
+class FakeContextManager(ContextManagerContract):
     """Implements the ContextManager contract over words instead of tokens."""
 
     def __init__(self, responses: list[str | Response] | None = None, model_id: str = "fake/model") -> None:
-        self._model_id = model_id
+        self.model_id = model_id
         self.mode = ReuseMode.EXACT
+        self.repair = RepairPolicy()
         self.speculation = Speculation()
         self.responses: list[Response] = []
         self.queue(*responses or [])
@@ -93,10 +121,6 @@ class FakeContextManager:
         self._outputs: dict[int, str] = {}
         self._hits = 0
         self._lookups = 0
-
-    @property
-    def model_id(self) -> str:
-        return self._model_id
 
     def queue(self, *responses: str | Response) -> None:
         self.responses.extend(r if isinstance(r, Response) else Response(r) for r in responses)
@@ -264,7 +288,7 @@ class FakeContextManager:
 
     # -- the rest ---------------------------------------------------------------------------------
 
-    def verify(self, num_tokens: int) -> FidelityReport:
+    def verify(self, num_tokens: int = 16) -> FidelityReport:
         return FidelityReport(
             mode=self.mode,
             kl_divergence=0.001,
