@@ -15,6 +15,7 @@ from kvchat.chunks.registry import ChunkRegistry
 from kvchat.chunks.spans import KVSpan
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import ReuseMode, Role
+from kvchat.chunks.view_state import make_view_state
 from kvchat.cli.commands import Shell
 from kvchat.cli.runner import Status, run_line
 from kvchat.cli.ui import UI
@@ -147,7 +148,7 @@ def test_block_map_names_owners_shared_and_pinned_blocks():
     live = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 4, block_table=blocks.allocate(3), num_computed=11)
     live.num_exact = 6  # b's KV was moved
     b.span = KVSpan.of(blocks, live, 6, 10, exact=False, pinned=True)
-    m = block_map(blocks, [a, b], live, [a, b])
+    m = block_map(make_view_state(blocks, [a, b], [a, b], live))
     cells = {c.block_id: c for c in m.blocks}
     assert cells[0].chunk_ids == [a.chunk_id] and cells[0].state == "used" and cells[0].exact
     assert cells[1].chunk_ids == [a.chunk_id, b.chunk_id] and cells[1].state == "pinned"
@@ -204,6 +205,7 @@ def test_views_render_at_narrow_and_wide_widths(width):
     assert "context" in run("/attention") and "repair" in run("/compare repair exact")
 
 
+@pytest.mark.slow
 def test_compare_exact_equals_infer_on_smollm2(smollm2):
     """A real model answers with words, so equal answers mean something; the other modes are reported."""
     model, tokenizer = smollm2

@@ -7,6 +7,8 @@ from collections import Counter
 from collections.abc import Generator
 from pathlib import Path
 
+import torch
+
 from kvchat.chunks import describe, fidelity, persist
 from kvchat.chunks.compose import ComposedSequence, RepairPolicy, chunk_ranges
 from kvchat.chunks.inference import Answer, Inference, Setup, build
@@ -23,6 +25,7 @@ from kvchat.chunks.types import (
     Role,
     StepEvent,
 )
+from kvchat.chunks.view_state import ViewState, make_view_state
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
@@ -356,3 +359,36 @@ class ContextManager:
         if self.live is not None:
             self.engine.free(self.live)
             self.live = None
+
+    # -- read API for the cache views --------------------------------------------------------------
+
+    def view_state(self, with_context: bool = False) -> ViewState:
+        """A copy of what /blocks, /attention and /compare read: chunks, live sequence, blocks, and
+        `with_context` the context (which registers the template's default system prompt if none is set)."""
+        return make_view_state(
+            self.engine.blocks,
+            list(self.registry.chunks.values()),
+            self.context_chunks() if with_context else [],
+            self.live,
+            can_answer=self.query is not None or bool(self.turns),
+            format_ids=(self.format.generation_prompt_ids(), self.format.assistant_close_ids()),
+        )
+
+    def read_prefix_kv(self, token_ids: list[int], end: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """K/V (L, end, H, D) of the first `end` of `token_ids`, and whether it is the live sequence's (the
+        KV the last inference used, moved KV included); otherwise exact KV, computed and freed again."""
+        live = self.live
+        if live is not None and live.token_ids[: len(token_ids)] == token_ids and live.num_computed >= end:
+            return *self.engine.read_kv(live, 0, end), True
+        seq = self.engine.start(token_ids[: end + 1])
+        try:
+            if seq.num_computed < end:
+                self.engine.compute(seq, until=end)
+            return *self.engine.read_kv(seq, 0, end), False
+        finally:
+            self.engine.free(seq)
+
+    @property
+    def model(self):
+        """The transformers model the engine runs, for views that run their own forward."""
+        return self.engine.model
