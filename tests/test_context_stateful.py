@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -22,6 +23,8 @@ from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import KvchatError
 from tests.hf_tokenizers import load_smollm2_tokenizer
 from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.slow  # a long hypothesis state machine
 
 MODEL = make_tiny_model("qwen2", vocab_size=49152, seed=1)
 TOKENIZER = load_smollm2_tokenizer()

@@ -73,6 +73,7 @@ def test_share_one_equals_exact(kind, taper, tokenizer):
     assert (logits - full_logits(model, composed.seq.token_ids)).abs().max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_share_one_equals_exact_on_smollm2(smollm2):
     model, tokenizer = smollm2
     cm = moved_context(model, tokenizer, ReuseMode.REPAIR, deviation(1.0))

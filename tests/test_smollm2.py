@@ -2,12 +2,15 @@
 
 import copy
 
+import pytest
 import torch
 
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow  # the real SmolLM2
 
 
 def prompt_ids(tokenizer, text):

@@ -280,6 +280,7 @@ class ConstantDrafter:
         pass
 
 
+@pytest.mark.slow
 def test_sampled_generation_has_the_plain_distribution():
     model = make_tiny_model("llama", vocab_size=8, seed=3)
     with torch.no_grad():

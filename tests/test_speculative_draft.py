@@ -77,6 +77,7 @@ class _Tok:
         return len(self.vocab)
 
 
+@pytest.mark.slow
 def test_prompt_lookup_on_smollm2_equals_plain_greedy(smollm2):
     model, tokenizer = smollm2
     passage = "The keeper climbed the one hundred and twelve steps, trimmed the wick and lit the lamp."
@@ -123,6 +124,7 @@ def test_stats_reach_the_info_line_and_json():
     assert fields["drafted_tokens"] == 8 and fields["accepted_tokens"] == 6
 
 
+@pytest.mark.slow
 def test_speculative_answers_equal_plain_through_the_context_manager(smollm2):
     from kvchat.chunks.context import ContextManager
     from kvchat.chunks.template import ChatFormat
