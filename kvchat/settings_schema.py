@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvchat.engine.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class Range:
@@ -117,54 +119,44 @@ class CacheSettings:
     )
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is chosen, and when generation stops.
-
-    temperature 0 means greedy. top_k 0, top_p 1.0, min_p 0.0 and repetition_penalty 1.0 are off.
-    """
-
-    temperature: float = setting(
-        0.0, "Sampling temperature.", live=True, flag="--temperature", range=Range(0), note="0 is greedy"
-    )
-    top_k: int = setting(
-        0, "Keep only the k most likely tokens.", live=True, flag="--top-k", range=Range(0), note="0 is off"
-    )
-    top_p: float = setting(
-        1.0,
+# The [sampling] table is the engine's own record; its fields are declared as settings here.
+SAMPLING_SPECS: dict[str, Spec] = {
+    "temperature": Spec(
+        "Sampling temperature.", live=True, flag="--temperature", range=Range(0), note="0 is greedy"
+    ),
+    "top_k": Spec(
+        "Keep only the k most likely tokens.", live=True, flag="--top-k", range=Range(0), note="0 is off"
+    ),
+    "top_p": Spec(
         "Keep the most likely tokens whose probabilities add up to top_p.",
         live=True,
         flag="--top-p",
         range=Range(0, 1, low_open=True),
         note="1 is off",
-    )
-    min_p: float = setting(
-        0.0,
+    ),
+    "min_p": Spec(
         "Drop tokens less likely than min_p times the most likely one.",
         live=True,
         flag="--min-p",
         range=Range(0, 1, high_open=True),
         note="0 is off",
-    )
-    repetition_penalty: float = setting(
-        1.0,
+    ),
+    "repetition_penalty": Spec(
         "Divide the logits of tokens already seen (once per distinct token).",
         live=True,
         flag="--repetition-penalty",
         range=Range(0, low_open=True),
         note="1 is off",
-    )
-    max_tokens: int = setting(
-        256, "Most tokens generated per answer.", live=True, flag="--max-tokens", range=Range(1)
-    )
-    seed: int | None = setting(
-        None,
+    ),
+    "max_tokens": Spec("Most tokens generated per answer.", live=True, flag="--max-tokens", range=Range(1)),
+    "seed": Spec(
         "Random seed for sampling; unset, a fresh seed each run.",
         live=True,
         flag="--seed",
         range=Range(0, 2**64 - 1),  # what torch.Generator.manual_seed takes
-    )
-    stop: tuple[str, ...] = setting((), "Strings that end an answer.", live=True)
+    ),
+    "stop": Spec("Strings that end an answer.", live=True),
+}
 
 
 @dataclass(frozen=True)
@@ -245,6 +237,7 @@ class Settings:
 
 
 TABLES: dict[str, type] = typing.get_type_hints(Settings)
+EXTERNAL_SPECS: dict[type, dict[str, Spec]] = {SamplingParams: SAMPLING_SPECS}  # tables declared elsewhere
 
 
 @dataclass(frozen=True)
@@ -281,7 +274,8 @@ def all_settings() -> dict[str, SettingInfo]:
     for table, cls in TABLES.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            info = SettingInfo(table, f.name, hints[f.name], f.default, f.metadata["spec"])
+            spec = f.metadata.get("spec") or EXTERNAL_SPECS[cls][f.name]
+            info = SettingInfo(table, f.name, hints[f.name], f.default, spec)
             out[info.key] = info
     return out
 
@@ -311,13 +305,3 @@ def problem(info: SettingInfo, value: Any) -> str | None:
         return "must not contain empty strings"
     return None
 
-
-def check_section(section: object) -> None:
-    """Raise ValueError naming the first invalid field of a settings dataclass (e.g. SamplingParams)."""
-    table = next(name for name, cls in TABLES.items() if cls is type(section))
-    for f in dataclasses.fields(section):  # type: ignore[arg-type]  # a settings dataclass instance
-        info = all_settings()[f"{table}.{f.name}"]
-        value = getattr(section, f.name)
-        reason = problem(info, value)
-        if reason is not None:
-            raise ValueError(f"{info.key} = {value!r} {reason}")
