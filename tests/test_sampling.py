@@ -182,6 +182,7 @@ def test_top_k_2_only_yields_the_top_two():
     assert abs(counts[1].item() / 2000 - 0.525) < 0.05
 
 
+@pytest.mark.slow  # statistical: many draws
 def test_empirical_distribution_matches_softmax():
     logits = torch.tensor([1.0, 0.0, -1.0, 2.0, -INF])
     sampler = make_sampler(SamplingParams(temperature=1.0, seed=3))

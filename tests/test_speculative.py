@@ -255,6 +255,7 @@ SAMPLED = [
 ]
 
 
+@pytest.mark.slow  # statistical: many draws per case
 @pytest.mark.parametrize("params", SAMPLED)
 @pytest.mark.parametrize("draft", [0, 2, 5])  # the likeliest token, a middling one, one filtered out
 def test_verify_draws_exactly_what_the_sampler_draws(params, draft):
