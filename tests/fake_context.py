@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
-from kvchat.chunks.compose import RepairPolicy
+from kvchat.chunks.compose import NO_REPAIR, RepairPolicy
 from kvchat.chunks.types import (
     CacheStats,
     ChunkDetail,
@@ -32,7 +32,7 @@ from kvchat.cli.runner import Status, run_line
 from kvchat.cli.ui import UI
 from kvchat.config import load_settings
 from kvchat.engine.sampling import SamplingParams
-from kvchat.engine.speculate import Speculation
+from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import ChunkError, StateFileError
 
 BLOCK_SIZE = 4
@@ -109,8 +109,8 @@ class FakeContextManager(ContextManagerContract):
     def __init__(self, responses: list[str | Response] | None = None, model_id: str = "fake/model") -> None:
         self.model_id = model_id
         self.mode = ReuseMode.EXACT
-        self.repair = RepairPolicy()
-        self.speculation = Speculation()
+        self.repair = NO_REPAIR
+        self.speculation = NO_SPECULATION
         self.responses: list[Response] = []
         self.queue(*responses or [])
         self.params_seen: list[SamplingParams] = []

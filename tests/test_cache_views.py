@@ -209,7 +209,7 @@ def test_views_render_at_narrow_and_wide_widths(width):
 def test_compare_exact_equals_infer_on_smollm2(smollm2):
     """A real model answers with words, so equal answers mean something; the other modes are reported."""
     model, tokenizer = smollm2
-    engine = Engine(model, kv_memory_bytes=64 << 20, block_size=16)
+    engine = Engine(model, kv_memory_bytes=64 << 20, block_size=16, prefill_chunk=512)
     cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id}))
     cm.set_system("You are a concise assistant.")
     cm.add_context("The Rhine rises in the Swiss Alps and flows north into the North Sea.")

@@ -38,7 +38,7 @@ FAULTS = st.sampled_from([KeyboardInterrupt, RuntimeError])
 
 
 def new_manager() -> ContextManager:
-    block_bytes = Engine(MODEL, kv_memory_bytes=1 << 20, block_size=4).bytes_per_block
+    block_bytes = Engine(MODEL, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512).bytes_per_block
     engine = Engine(MODEL, kv_memory_bytes=block_bytes * 96, block_size=4, prefill_chunk=8)
     return ContextManager(engine, ChatFormat(TOKENIZER), TOKENIZER, frozenset({2}), fingerprint="tiny")
 

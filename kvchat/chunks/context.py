@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from kvchat.chunks import describe, fidelity, persist
-from kvchat.chunks.compose import ComposedSequence, RepairPolicy, chunk_ranges
+from kvchat.chunks.compose import NO_REPAIR, ComposedSequence, RepairPolicy, chunk_ranges
 from kvchat.chunks.inference import Answer, Inference, Setup, build
 from kvchat.chunks.registry import Chunk, ChunkRegistry
 from kvchat.chunks.spans import KVSpan
@@ -30,7 +30,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
-from kvchat.engine.speculate import Speculation
+from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
 from kvchat.interrupts import interrupts_ignored
 from kvchat.models.device import describe_runtime
@@ -67,8 +67,8 @@ class ContextManager:
         )
         self.model_id, self.fingerprint = model_id, fingerprint
         self.mode = ReuseMode(mode)
-        self.repair = repair or RepairPolicy()
-        self.speculation = speculation or Speculation()
+        self.repair = repair or NO_REPAIR
+        self.speculation = speculation or NO_SPECULATION
         self.registry = ChunkRegistry()
         self.system: str | None = None  # chunk ids
         self.middle: list[str] = []

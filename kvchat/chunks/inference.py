@@ -23,7 +23,7 @@ from kvchat.engine.generate import GenerationStep, PrefillProgress, generate
 from kvchat.engine.rope import rotary_inv_freq
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
-from kvchat.engine.speculate import Speculation
+from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import CacheFullError
 
 
@@ -37,7 +37,7 @@ class Setup:
     eos_token_ids: frozenset[int]
     mode: ReuseMode
     repair: RepairPolicy
-    speculation: Speculation = Speculation()
+    speculation: Speculation = NO_SPECULATION
 
 
 @dataclass(frozen=True)
