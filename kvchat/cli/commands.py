@@ -249,8 +249,8 @@ class Shell:
     @command("set", "Change a setting, or list them all", usage="[KEY VALUE]", arg=ArgKind.SETTING)
     def set(self, arg: str) -> SettingsView | Notice:
         """Without arguments, lists every setting. KEY is table.key (sampling.temperature) or a key
-        unique across tables (temperature). sampling.*, reuse.mode, reuse.verify_tokens and
-        ui.show_thinking apply at once; the others when kvchat starts again. Defaults are in
+        unique across tables (temperature). sampling.*, reuse.*, decode.* and ui.show_thinking
+        apply at once; the others when kvchat starts again. Defaults are in
         configs/default.toml, overridden by your config file and the command-line flags.
         """
         if not arg:
