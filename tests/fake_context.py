@@ -78,7 +78,7 @@ class ContextManagerContract(Protocol):
 
     def chat(self, text: str, params: SamplingParams) -> Iterator[object]: ...
 
-    def verify(self, num_tokens: int = 16) -> FidelityReport: ...
+    def verify(self, num_tokens: int) -> FidelityReport: ...
 
     def resolved_settings(self) -> dict[str, str]: ...
 
@@ -288,7 +288,7 @@ class FakeContextManager(ContextManagerContract):
 
     # -- the rest ---------------------------------------------------------------------------------
 
-    def verify(self, num_tokens: int = 16) -> FidelityReport:
+    def verify(self, num_tokens: int) -> FidelityReport:
         return FidelityReport(
             mode=self.mode,
             kl_divergence=0.001,

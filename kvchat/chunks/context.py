@@ -182,7 +182,7 @@ class ContextManager:
         """The current context's sequence as the mode composes it. The caller frees `.seq`."""
         return self._build(self.context_chunks(), reserve_tokens)
 
-    def verify(self, num_tokens: int = 16) -> FidelityReport:
+    def verify(self, num_tokens: int) -> FidelityReport:
         """Compare the reuse mode with a full recompute of the current context over `num_tokens`."""
         if self.query is None and not self.turns:
             raise ChunkError("nothing to verify: set a query with /query TEXT")
