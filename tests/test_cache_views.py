@@ -140,6 +140,25 @@ def test_blocks_json_agrees_with_the_block_manager():
     check_counts(cm, json.loads(run("/blocks")))
 
 
+def test_a_view_state_is_a_copy_and_reading_old_kv_gives_its_blocks_back():
+    cm = make_manager(make_tiny_model("llama", vocab_size=VOCAB))
+    setup_context(cm)
+    cm.infer_blocking(GREEDY)
+    state = cm.view_state()
+    assert state.live is not None and state.live.token_ids == cm.live.token_ids
+    state.live.token_ids.append(7)
+    state.chunks[0].token_ids.append(7)
+    assert cm.live.token_ids != state.live.token_ids
+    assert cm.registry.chunks[state.chunks[0].chunk_id].token_ids != state.chunks[0].token_ids
+    cm.set_system("another system prompt")
+    cm.infer_blocking(GREEDY)
+    used = cm.engine.blocks.num_used
+    old = [t for c in cm.view_state().chunks[:4] for t in c.token_ids]  # the first answer's context
+    keys, values, over_live = cm.read_prefix_kv(old, len(old) - 1)
+    assert not over_live and keys.shape[1] == values.shape[1] == len(old) - 1
+    assert cm.engine.blocks.num_used == used
+
+
 def test_block_map_names_owners_shared_and_pinned_blocks():
     blocks = BlockManager(num_blocks=8, block_size=4)
     registry = ChunkRegistry()
