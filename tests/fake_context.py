@@ -10,12 +10,11 @@ from __future__ import annotations
 import hashlib
 import io
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
 
-from kvchat.chunks.compose import NO_REPAIR, RepairPolicy
+from kvchat.chunks.compose import NO_REPAIR
 from kvchat.chunks.types import (
     CacheStats,
     ChunkDetail,
@@ -32,61 +31,14 @@ from kvchat.cli.runner import Status, run_line
 from kvchat.cli.ui import UI
 from kvchat.config import load_settings
 from kvchat.engine.sampling import SamplingParams
-from kvchat.engine.speculate import NO_SPECULATION, Speculation
+from kvchat.engine.speculate import NO_SPECULATION
 from kvchat.errors import ChunkError, StateFileError
+from tests.context_contract import ContextManagerContract
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 
 Stream = Generator[StepEvent | InferenceResult, None, None]
-
-
-class ContextManagerContract(Protocol):
-    """What the CLI uses of a ContextManager; the real one and the fake below both implement it
-    (tests/test_fake_context.py compares their signatures with it, mypy their types)."""
-
-    mode: ReuseMode
-    repair: RepairPolicy
-    speculation: Speculation
-    model_id: str
-
-    def set_system(self, text: str) -> ChunkInfo: ...
-
-    def add_context(self, text: str) -> ChunkInfo: ...
-
-    def set_query(self, text: str) -> ChunkInfo: ...
-
-    def use_output(self, number: int) -> ChunkInfo: ...
-
-    def drop(self, ref: str) -> ChunkInfo: ...
-
-    def clear(self) -> None: ...
-
-    def reset(self) -> None: ...
-
-    def chunks(self) -> list[ChunkInfo]: ...
-
-    def chunk(self, ref: str) -> ChunkDetail: ...
-
-    def context(self) -> list[ChunkInfo]: ...
-
-    def outputs(self) -> list[ChunkInfo]: ...
-
-    def delete_output(self, number: int) -> ChunkInfo: ...
-
-    def infer(self, params: SamplingParams) -> Iterator[object]: ...
-
-    def chat(self, text: str, params: SamplingParams) -> Iterator[object]: ...
-
-    def verify(self, num_tokens: int) -> FidelityReport: ...
-
-    def resolved_settings(self) -> dict[str, str]: ...
-
-    def stats(self) -> CacheStats: ...
-
-    def save(self, path: Path) -> int: ...
-
-    def load(self, path: Path) -> int: ...
 
 
 @dataclass(frozen=True)

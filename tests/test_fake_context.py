@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvchat.chunks.context import ContextManager
-from tests.fake_context import ContextManagerContract, FakeContextManager
+from tests.context_contract import ContextManagerContract
+from tests.fake_context import FakeContextManager
 
 CLI = Path(__file__).resolve().parent.parent / "kvchat" / "cli"
 CONTRACT = {name for name in vars(ContextManagerContract) if not name.startswith("_")}
