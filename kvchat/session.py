@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import RepairStrategy, ReuseMode
-from kvchat.config import CacheSettings, ReuseSettings, Settings
+from kvchat.config import CacheSettings, DecodeSettings, ReuseSettings, Settings
 from kvchat.engine.engine import Engine, kv_shape
 from kvchat.engine.kv_pool import KVPool
 from kvchat.engine.speculate import Speculation
@@ -27,17 +28,33 @@ def open_session(settings: Settings, progress: ProgressCallback | None = None) -
         draft = load_model(draft_settings, progress)
         check_draft_vocabulary(loaded, draft)
         draft_engine = make_engine(draft, settings)
-    return ContextManager(
+    ctx = ContextManager(
         engine,
         ChatFormat(loaded.tokenizer),
         loaded.tokenizer,
         loaded.eos_token_ids,
         model_id=loaded.model_id,
         fingerprint=loaded.fingerprint,
-        mode=ReuseMode(settings.reuse.mode),
-        repair=repair_policy(settings.reuse),
-        speculation=Speculation(settings.decode.speculate, settings.decode.draft_max, draft_engine),
+        speculation=make_speculation(settings.decode, draft_engine),
     )
+    apply_live_settings(ctx, settings)
+    return ctx
+
+
+class LiveSettable(Protocol):
+    """What the live settings set on a context manager (the real one or the CLI tests' fake)."""
+
+    mode: ReuseMode
+    repair: RepairPolicy
+    speculation: Speculation
+
+
+def apply_live_settings(ctx: LiveSettable, settings: Settings) -> None:
+    """Give the context manager what the live settings (reuse.*, decode.*) make of it; the sampling
+    and ui settings are read from the settings where they are used."""
+    ctx.mode = ReuseMode(settings.reuse.mode)
+    ctx.repair = repair_policy(settings.reuse)
+    ctx.speculation = make_speculation(settings.decode, ctx.speculation.draft_engine)
 
 
 def make_engine(loaded: LoadedModel, settings: Settings) -> Engine:
@@ -65,6 +82,10 @@ def check_draft_vocabulary(main: LoadedModel, draft: LoadedModel) -> None:
             f"draft model {draft.model_id} has another vocabulary than {main.model_id} "
             f"({len(draft.tokenizer)} vs {len(main.tokenizer)} tokens); pick one that shares its tokenizer"
         )
+
+
+def make_speculation(decode: DecodeSettings, draft_engine: Engine | None) -> Speculation:
+    return Speculation(decode.speculate, decode.draft_max, draft_engine)
 
 
 def repair_policy(reuse: ReuseSettings) -> RepairPolicy:

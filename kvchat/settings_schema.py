@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvchat.engine.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class Range:
@@ -55,6 +57,8 @@ class Spec:
     aliases: Mapping[str, str] = field(default_factory=dict)  # other spellings of a choice
     pattern: str | None = None  # a regular expression the whole value must match
     pattern_help: str = ""  # the rule the pattern stands for, e.g. "must be auto, cpu, cuda or cuda:N"
+    detail: str = ""  # more than --help says, written into configs/default.toml
+    example: Any = None  # for a setting unset by default: the value default.toml shows commented out
 
 
 def setting(default: Any, help: str, **spec: Any) -> Any:
@@ -80,7 +84,8 @@ class ModelSettings:
     )
     dtype: str = setting(
         "auto",
-        "Weights dtype: auto, bf16, fp32 or fp16 (bfloat16, float32, float16 are accepted too).",
+        "Weights dtype: auto (bf16 where the CPU/GPU runs it natively, else fp32), bf16, fp32 or fp16; "
+        "bfloat16, float32 and float16 are accepted too.",
         flag="--dtype",
         choices=("auto", "bf16", "fp32", "fp16"),
         aliases={"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "half": "fp16", "float": "fp32"},
@@ -93,12 +98,19 @@ class ModelSettings:
         pattern_help="must be auto, cpu, cuda or cuda:N",
     )
     threads: int = setting(
-        0, "CPU threads for torch.", flag="--threads", range=Range(0), note="0 picks automatically"
+        0,
+        "CPU threads for torch.",
+        flag="--threads",
+        range=Range(0),
+        note="0 picks automatically",
+        detail="0 means all physical cores but one, at least 1.",
     )
     draft_model: str | None = setting(
         None,
         "A small model sharing the tokenizer that drafts tokens for decode.speculate = draft.",
         flag="--draft-model",
+        detail="For example smollm2-135m for SmolLM2-360M/1.7B, Qwen2.5-0.5B for Qwen2.5-3B. Unset: none.",
+        example="smollm2-135m",
         pattern=r"(?s).*\S.*",
         pattern_help="must not be empty",
     )
@@ -109,68 +121,77 @@ class CacheSettings:
     """The paged KV cache's size and the prefill step."""
 
     kv_memory_mb: int = setting(
-        512, "Memory for the paged KV cache, in MiB.", flag="--kv-memory", range=Range(1)
+        512,
+        "Memory for the paged KV cache, in MiB.",
+        flag="--kv-memory",
+        range=Range(1),
+        detail="The number of blocks follows from the model's KV size per token.",
     )
     ctx_size: int | None = setting(
         None,
         "Size of the paged KV cache in tokens, instead of --kv-memory MiB; rounded up to whole blocks.",
         flag="--ctx-size",
         range=Range(1),
+        example=8192,
     )
-    block_size: int = setting(16, "Tokens per KV block.", flag="--block-size", range=Range(1, 1024))
+    block_size: int = setting(
+        16,
+        "Tokens per KV block.",
+        flag="--block-size",
+        range=Range(1, 1024),
+        detail="Reuse and eviction work in whole blocks.",
+    )
     prefill_chunk: int = setting(
-        512, "Most tokens sent through the model in one prefill pass.", range=Range(1)
+        512, "Most tokens sent through the model in one prefill forward pass.", range=Range(1)
     )
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is chosen, and when generation stops.
-
-    temperature 0 means greedy. top_k 0, top_p 1.0, min_p 0.0 and repetition_penalty 1.0 are off.
-    """
-
-    temperature: float = setting(
-        0.0, "Sampling temperature.", live=True, flag="--temperature", range=Range(0), note="0 is greedy"
-    )
-    top_k: int = setting(
-        0, "Keep only the k most likely tokens.", live=True, flag="--top-k", range=Range(0), note="0 is off"
-    )
-    top_p: float = setting(
-        1.0,
+# The [sampling] table is the engine's own record; its fields are declared as settings here.
+SAMPLING_SPECS: dict[str, Spec] = {
+    "temperature": Spec(
+        "Sampling temperature.",
+        live=True,
+        flag="--temperature",
+        range=Range(0),
+        note="0 is greedy",
+        detail="Higher values make the output more random.",
+    ),
+    "top_k": Spec(
+        "Keep only the k most likely tokens.", live=True, flag="--top-k", range=Range(0), note="0 is off"
+    ),
+    "top_p": Spec(
         "Keep the most likely tokens whose probabilities add up to top_p.",
         live=True,
         flag="--top-p",
         range=Range(0, 1, low_open=True),
         note="1 is off",
-    )
-    min_p: float = setting(
-        0.0,
+    ),
+    "min_p": Spec(
         "Drop tokens less likely than min_p times the most likely one.",
         live=True,
         flag="--min-p",
         range=Range(0, 1, high_open=True),
         note="0 is off",
-    )
-    repetition_penalty: float = setting(
-        1.0,
-        "Divide the logits of tokens already seen (once per distinct token).",
+    ),
+    "repetition_penalty": Spec(
+        "Divide the logits of tokens already seen (prompt included, once per distinct token).",
         live=True,
         flag="--repetition-penalty",
         range=Range(0, low_open=True),
         note="1 is off",
-    )
-    max_tokens: int = setting(
-        256, "Most tokens generated per answer.", live=True, flag="--max-tokens", range=Range(1)
-    )
-    seed: int | None = setting(
-        None,
+    ),
+    "max_tokens": Spec("Most tokens generated per answer.", live=True, flag="--max-tokens", range=Range(1)),
+    "seed": Spec(
         "Random seed for sampling; unset, a fresh seed each run.",
         live=True,
         flag="--seed",
         range=Range(0, 2**64 - 1),  # what torch.Generator.manual_seed takes
-    )
-    stop: tuple[str, ...] = setting((), "Strings that end an answer.", live=True)
+        example=0,
+    ),
+    "stop": Spec(
+        "Strings that end an answer.", live=True, detail="The model's own end-of-turn tokens always do."
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -182,10 +203,13 @@ class ReuseSettings:
         "How cached chunks are reused: exact, reposition or repair.",
         live=True,
         flag="--reuse",
+        detail="exact: only where it was computed; reposition: re-rotate its keys to the new positions; "
+        "repair: re-rotate, then recompute some of the moved tokens, as repair_strategy picks, so they "
+        "attend to what now comes before them.",
         choices=("exact", "reposition", "repair"),
     )
     repair_share: float = setting(
-        0.15, "Share of a moved chunk's tokens recomputed in repair mode.", live=True, range=Range(0, 1)
+        0.15, "Share of the repositioned tokens recomputed in repair mode.", live=True, range=Range(0, 1)
     )
     repair_min_tokens: int = setting(
         4,
@@ -197,6 +221,7 @@ class ReuseSettings:
         "deviation",
         "Which moved tokens repair recomputes: prefix (each chunk's first ones) or deviation (those whose KV "
         "deviates most, CacheBlend-style).",
+        detail="Deviation compares the moved KV with a forward in the new context on the first layers.",
         live=True,
         flag="--repair-strategy",
         choices=("prefix", "deviation"),
@@ -208,7 +233,9 @@ class ReuseSettings:
         live=True,
         range=Range(0, 1, high_open=True),
     )
-    verify_tokens: int = setting(16, "Tokens /verify compares.", live=True, range=Range(1))
+    verify_tokens: int = setting(
+        16, "Tokens /verify compares against a full recompute.", live=True, range=Range(1)
+    )
 
 
 @dataclass(frozen=True)
@@ -220,10 +247,20 @@ class DecodeSettings:
         "Speculative decoding: off, prompt-lookup or draft.",
         live=True,
         flag="--speculate",
+        detail="prompt-lookup drafts by copying what followed the last few tokens elsewhere in the context "
+        "(quotes, rewrites, code edits); draft drafts with model.draft_model. Drafts are checked in one "
+        "forward; sampled output has the same distribution. Off by default: in bf16 a forward over several "
+        "tokens rounds differently from one over a single token, so a greedy answer can change at a near "
+        "tie; in fp32 it is identical, but free writing ran ~0.88x (README).",
         choices=("off", "prompt-lookup", "draft"),
     )
     draft_max: int = setting(
-        8, "Most tokens drafted per step.", live=True, flag="--draft-max", range=Range(1, 64)
+        8,
+        "Most tokens drafted per step.",
+        live=True,
+        flag="--draft-max",
+        range=Range(1, 64),
+        detail="The number adapts to how many get accepted.",
     )
 
 
@@ -232,10 +269,15 @@ class UiSettings:
     """How the REPL shows things."""
 
     color: bool = setting(True, "Colors and styles; --no-color prints no escape codes.", flag="--color")
-    json: bool = setting(False, "Print one JSON object per command.", flag="--json")
-    debug: bool = setting(False, "Show tracebacks.", flag="--debug")
+    json: bool = setting(False, "Print one JSON object per command instead of text.", flag="--json")
+    debug: bool = setting(False, "Show an error's full traceback instead of one line.", flag="--debug")
     history_file: str = setting("~/.local/share/kvchat/history", "Where the REPL keeps its input history.")
-    show_thinking: bool = setting(True, "Show a reasoning model's <think> text.", live=True)
+    show_thinking: bool = setting(
+        True,
+        "Show a reasoning model's <think> text.",
+        live=True,
+        detail="It stays in the KV cache either way.",
+    )
 
 
 @dataclass(frozen=True)
@@ -251,6 +293,7 @@ class Settings:
 
 
 TABLES: dict[str, type] = typing.get_type_hints(Settings)
+EXTERNAL_SPECS: dict[type, dict[str, Spec]] = {SamplingParams: SAMPLING_SPECS}  # tables declared elsewhere
 
 
 @dataclass(frozen=True)
@@ -287,7 +330,8 @@ def all_settings() -> dict[str, SettingInfo]:
     for table, cls in TABLES.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            info = SettingInfo(table, f.name, hints[f.name], f.default, f.metadata["spec"])
+            spec = f.metadata.get("spec") or EXTERNAL_SPECS[cls][f.name]
+            info = SettingInfo(table, f.name, hints[f.name], f.default, spec)
             out[info.key] = info
     return out
 
@@ -316,14 +360,3 @@ def problem(info: SettingInfo, value: Any) -> str | None:
     if isinstance(value, tuple) and not all(value):
         return "must not contain empty strings"
     return None
-
-
-def check_section(section: object) -> None:
-    """Raise ValueError naming the first invalid field of a settings dataclass (e.g. SamplingParams)."""
-    table = next(name for name, cls in TABLES.items() if cls is type(section))
-    for f in dataclasses.fields(section):  # type: ignore[arg-type]  # a settings dataclass instance
-        info = all_settings()[f"{table}.{f.name}"]
-        value = getattr(section, f.name)
-        reason = problem(info, value)
-        if reason is not None:
-            raise ValueError(f"{info.key} = {value!r} {reason}")

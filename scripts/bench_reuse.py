@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from bench_common import load, model_parser
 
-from kvchat.chunks.compose import RepairPolicy
+from kvchat.chunks.compose import NO_REPAIR, RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.template import ChatFormat
@@ -134,15 +134,15 @@ class Variant:
     def parse(cls, text: str) -> Variant:
         kind, _, rest = text.partition(":")
         if kind in ("exact", "reposition"):
-            return cls(text, ReuseMode(kind), RepairPolicy())
+            return cls(text, ReuseMode(kind), NO_REPAIR)
         share, *options = rest.split(",") if rest else ["0.15"]
         named = dict(option.split("=") for option in options)
         policy = RepairPolicy(
-            float(share),
-            int(named.pop("heads", 0)),
-            RepairStrategy(kind),
-            int(named.pop("probe", 1)),
-            float(named.pop("taper", 0)),
+            share=float(share),
+            min_tokens=int(named.pop("heads", 0)),
+            strategy=RepairStrategy(kind),
+            taper=float(named.pop("taper", 0)),
+            probe_layer=int(named.pop("probe", 1)),
         )
         if named:
             raise SystemExit(f"unknown options in {text}: {', '.join(named)}")
@@ -168,7 +168,7 @@ class Row:
 def arranged(model, tokenizer, kind: str, seed: int, docs: list[str], size: int) -> ContextManager:
     """A session that answered the first arrangement and holds the second, not yet answered."""
     # Room for the kept chunks, the live sequence and /verify's two copies of the context.
-    engine = Engine(model, kv_memory_bytes=max(512, size // 3) << 20, block_size=16)
+    engine = Engine(model, kv_memory_bytes=max(512, size // 3) << 20, block_size=16, prefill_chunk=512)
     cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id}))
     SETS[kind](cm, random.Random(seed).sample(docs, len(docs)), seed)  # each seed its own order
     return cm

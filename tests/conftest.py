@@ -1,3 +1,6 @@
+import os
+from pathlib import Path
+
 import pytest
 
 
@@ -26,3 +29,23 @@ def smollm2():
         folder, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
     return model, AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(autouse=True)
+def isolated_user_dirs(tmp_path, monkeypatch):
+    """Point home, config and history at a temp dir so no test reads or writes the user's.
+
+    Model caches stay where they are: a real-model test must not convert or download again.
+    """
+    home = Path.home()
+    monkeypatch.setenv(
+        "KVCHAT_CACHE_DIR", os.environ.get("KVCHAT_CACHE_DIR") or str(home / ".cache" / "kvchat")
+    )
+    monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME") or str(home / ".cache" / "huggingface"))
+    monkeypatch.setenv("XDG_CACHE_HOME", os.environ.get("XDG_CACHE_HOME") or str(home / ".cache"))
+    for var in ("HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_DATA_HOME"):
+        (tmp_path / var).mkdir(exist_ok=True)
+        monkeypatch.setenv(var, str(tmp_path / var))
+    for var in ("NO_COLOR", "FORCE_COLOR", "KVCHAT_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import pytest
-
+from kvchat.chunks.compose import NO_REPAIR
 from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.types import (
     CacheStats,
@@ -33,9 +31,10 @@ from kvchat.cli.ui import UI
 from kvchat.config import load_settings
 from kvchat.engine.records import GenerationStats, GenerationStep
 from kvchat.engine.sampling import SamplingParams
-from kvchat.engine.speculate import Speculation
+from kvchat.engine.speculate import NO_SPECULATION
 from kvchat.errors import ChunkError, StateFileError
 from kvchat.models.info import ModelInfo
+from tests.context_contract import ContextManagerContract
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -46,26 +45,6 @@ Stream = Generator[GenerationStep | InferenceResult, None, None]
 def fake_step(text: str, thinking: str, token_id: int, num_generated: int) -> GenerationStep:
     """A streamed step with no cost figures."""
     return GenerationStep(token_id, text, thinking, None, GenerationStats(0, 0, 0, num_generated, 0, 0, 0))
-
-
-@pytest.fixture(autouse=True)
-def isolated_user_dirs(tmp_path, monkeypatch):
-    """Point home, config and history at a temp dir so no test reads or writes the user's.
-
-    Model caches stay where they are: a real-model test must not convert or download again.
-    """
-    home = Path.home()
-    monkeypatch.setenv(
-        "KVCHAT_CACHE_DIR", os.environ.get("KVCHAT_CACHE_DIR") or str(home / ".cache" / "kvchat")
-    )
-    monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME") or str(home / ".cache" / "huggingface"))
-    monkeypatch.setenv("XDG_CACHE_HOME", os.environ.get("XDG_CACHE_HOME") or str(home / ".cache"))
-    for var in ("HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_DATA_HOME"):
-        (tmp_path / var).mkdir(exist_ok=True)
-        monkeypatch.setenv(var, str(tmp_path / var))
-    for var in ("NO_COLOR", "FORCE_COLOR", "KVCHAT_CONFIG"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path
 
 
 @dataclass(frozen=True)
@@ -82,13 +61,14 @@ class _Chunk:
     token_ids: list[int]
 
 
-class FakeContextManager:
+class FakeContextManager(ContextManagerContract):
     """Implements the ContextManager contract over words instead of tokens."""
 
     def __init__(self, responses: list[str | Response] | None = None, model_id: str = "fake/model") -> None:
-        self._model_id = model_id
+        self.model_id = model_id
         self.mode = ReuseMode.EXACT
-        self.speculation = Speculation()
+        self.repair = NO_REPAIR
+        self.speculation = NO_SPECULATION
         self.responses: list[Response] = []
         self.queue(*responses or [])
         self.params_seen: list[SamplingParams] = []
@@ -100,10 +80,6 @@ class FakeContextManager:
         self._num_outputs = 0
         self._hits = 0
         self._lookups = 0
-
-    @property
-    def model_id(self) -> str:
-        return self._model_id
 
     def queue(self, *responses: str | Response) -> None:
         self.responses.extend(r if isinstance(r, Response) else Response(r) for r in responses)

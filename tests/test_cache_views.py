@@ -14,6 +14,7 @@ from kvchat.chunks.compare import compare_modes
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import ReuseMode, Role
+from kvchat.chunks.view_state import make_view_state
 from kvchat.cli.commands import Shell
 from kvchat.cli.runner import Status, run_line
 from kvchat.cli.ui import UI
@@ -138,6 +139,25 @@ def test_blocks_json_agrees_with_the_block_manager():
     check_counts(cm, json.loads(run("/blocks")))
 
 
+def test_a_view_state_is_a_copy_and_reading_old_kv_gives_its_blocks_back():
+    cm = make_manager(make_tiny_model("llama", vocab_size=VOCAB))
+    setup_context(cm)
+    cm.infer_blocking(GREEDY)
+    state = cm.view_state()
+    assert state.live is not None and state.live.token_ids == cm.live.token_ids
+    state.live.token_ids.append(7)
+    state.chunks[0].token_ids.append(7)
+    assert cm.live.token_ids != state.live.token_ids
+    assert cm.registry.chunks[state.chunks[0].chunk_id].token_ids != state.chunks[0].token_ids
+    cm.set_system("another system prompt")
+    cm.infer_blocking(GREEDY)
+    used = cm.engine.blocks.num_used
+    old = [t for c in cm.view_state().chunks[:4] for t in c.token_ids]  # the first answer's context
+    keys, values, over_live = cm.read_prefix_kv(old, len(old) - 1)
+    assert not over_live and keys.shape[1] == values.shape[1] == len(old) - 1
+    assert cm.engine.blocks.num_used == used
+
+
 def test_block_map_names_owners_shared_and_pinned_blocks():
     blocks = BlockManager(num_blocks=8, block_size=4)
     registry = ChunkRegistry()
@@ -146,7 +166,7 @@ def test_block_map_names_owners_shared_and_pinned_blocks():
     live = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 4, block_table=blocks.allocate(3), num_computed=11)
     live.num_exact = 6  # b's KV was moved
     b.span = KVSpan.of(blocks, live, 6, 10, exact=False, pinned=True)
-    m = block_map(blocks, [a, b], live, [a, b])
+    m = block_map(make_view_state(blocks, [a, b], [a, b], live))
     cells = {c.block_id: c for c in m.blocks}
     assert cells[0].chunk_ids == [a.chunk_id] and cells[0].state == "used" and cells[0].exact
     assert cells[1].chunk_ids == [a.chunk_id, b.chunk_id] and cells[1].state == "pinned"
@@ -203,10 +223,11 @@ def test_views_render_at_narrow_and_wide_widths(width):
     assert "context" in run("/attention") and "repair" in run("/compare repair exact")
 
 
+@pytest.mark.slow
 def test_compare_exact_equals_infer_on_smollm2(smollm2):
     """A real model answers with words, so equal answers mean something; the other modes are reported."""
     model, tokenizer = smollm2
-    engine = Engine(model, kv_memory_bytes=64 << 20, block_size=16)
+    engine = Engine(model, kv_memory_bytes=64 << 20, block_size=16, prefill_chunk=512)
     cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({tokenizer.eos_token_id}))
     cm.set_system("You are a concise assistant.")
     cm.add_context("The Rhine rises in the Swiss Alps and flows north into the North Sea.")

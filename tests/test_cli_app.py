@@ -17,7 +17,7 @@ from kvchat.cli.app import make_app
 from kvchat.cli.settings import setting_values
 from kvchat.cli.ui import UI
 from kvchat.errors import ModelLoadError
-from tests.fake_context import FakeContextManager, isolated_user_dirs  # noqa: F401  (autouse fixture)
+from tests.fake_context import FakeContextManager
 
 ESC = "\x1b["
 

@@ -7,7 +7,7 @@ import pytest
 from kvchat.chunks.types import RepairStrategy, ReuseMode
 from kvchat.cli.arguments import MAX_FILE_BYTES
 from kvchat.cli.runner import Status
-from tests.fake_context import isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
+from tests.fake_context import make_harness
 
 
 def test_chat_streams_the_answer_then_one_summary_line():

@@ -6,7 +6,7 @@ from rich.console import Console
 
 from kvchat.cli.runner import Status
 from kvchat.cli.ui import THEME
-from tests.fake_context import Response, isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
+from tests.fake_context import Response, make_harness
 
 ANSWER = "The Rhine rises in the Swiss Alps and flows north through Germany into the North Sea."
 

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from kvchat.cli.runner import Status
-from tests.fake_context import isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
+from tests.fake_context import make_harness
 from tests.test_cli_app import Factory, invoke
 from tests.test_cli_habits import json_lines
 

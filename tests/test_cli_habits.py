@@ -8,7 +8,7 @@ import time
 from kvchat.cli import app as app_module
 from kvchat.cli.repl import short_name, toolbar
 from kvchat.cli.settings import setting_values
-from tests.fake_context import isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
+from tests.fake_context import make_harness
 from tests.test_cli_app import Factory, invoke
 
 
@@ -111,7 +111,7 @@ def test_stats_and_the_toolbar_speak_tokens_too():
 
 def test_the_toolbar_shortens_the_model_name_never_the_mode():
     h = make_harness()
-    h.ctx._model_id = "/home/someone/models/very/deep/folder/SmolLM2-135M-Instruct.Q4_1.gguf"
+    h.ctx.model_id = "/home/someone/models/very/deep/folder/SmolLM2-135M-Instruct.Q4_1.gguf"
     bar = toolbar(h.shell, width=100)
     assert len(bar) <= 100 and bar.endswith("· reuse exact ")
     assert "…/SmolLM2-135M-Instruct.Q4_1.gguf" in bar

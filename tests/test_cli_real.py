@@ -12,6 +12,8 @@ import pytest
 
 from tests.tiny_models import make_tiny_model
 
+pytestmark = pytest.mark.slow  # kvchat in subprocesses and a pseudo-terminal, on real models
+
 KVCHAT = [sys.executable, "-m", "kvchat"]
 
 

@@ -5,7 +5,7 @@ import json
 
 from kvchat.cli.runner import Status
 from kvchat.cli.script import MAX_LINE_BYTES, ScriptCommand, read_commands, run_script
-from tests.fake_context import isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
+from tests.fake_context import make_harness
 
 
 def commands(data: bytes) -> list[ScriptCommand]:

@@ -7,7 +7,7 @@ import pytest
 from kvchat.chunks.types import InferenceResult, ReuseMode
 from kvchat.cli.runner import Status, consume
 from kvchat.errors import KvchatError
-from tests.fake_context import Response, fake_step, isolated_user_dirs, make_harness  # noqa: F401  (autouse fixture)
+from tests.fake_context import Response, fake_step, make_harness
 
 
 def interrupt_on_step(h, step_number):

@@ -19,6 +19,7 @@ from kvchat.config import (
     settings_as_dict,
 )
 from kvchat.settings_schema import all_settings
+from kvchat.settings_toml import render_default_toml
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +50,17 @@ def test_default_toml_holds_every_declared_default() -> None:
 
 def normalize_toml(value: object) -> object:
     return tuple(value) if isinstance(value, list) else value
+
+
+def test_the_shipped_default_toml_is_written_from_the_declarations() -> None:
+    # After changing a setting: python scripts/make_default_toml.py
+    assert DEFAULT_FILE.read_text() == render_default_toml()
+
+
+def test_every_optional_setting_shows_an_example_of_its_type() -> None:
+    for info in all_settings().values():
+        if info.default is None:
+            assert isinstance(info.spec.example, info.value_type), info.key
 
 
 def test_top_level_configs_equal_the_packaged_ones() -> None:

@@ -117,7 +117,7 @@ def test_reposition_and_repair_move_chunks_and_report_them(model):
     reports = {}
     for mode in (ReuseMode.EXACT, ReuseMode.REPOSITION, ReuseMode.REPAIR):
         cm = make_manager(model, mode=mode)
-        cm.repair = RepairPolicy(share=0.25, min_tokens=2, strategy=RepairStrategy.PREFIX)
+        cm.repair = RepairPolicy(share=0.25, min_tokens=2, strategy=RepairStrategy.PREFIX, taper=0.0)
         cm.set_system("first system prompt")
         doc = cm.add_context(text(3, 30))
         cm.set_query("what ran to the sea?")
@@ -195,7 +195,7 @@ def test_cancel_keeps_generated_tokens(model):
 
 
 def test_budget_refuses_oversized_chunks_and_keeps_state(model):
-    block_bytes = Engine(model, kv_memory_bytes=1 << 23, block_size=4).bytes_per_block
+    block_bytes = Engine(model, kv_memory_bytes=1 << 23, block_size=4, prefill_chunk=512).bytes_per_block
     cm = make_manager(model, kv_memory=block_bytes * 16)  # 64 tokens
     with pytest.raises(CacheFullError):
         cm.add_context(text(5, 200))
@@ -255,7 +255,7 @@ def test_reposition_moves_reordered_chunks_even_when_their_header_is_cached(mode
 
 
 def test_refused_chat_turn_changes_nothing(model):
-    block_bytes = Engine(model, kv_memory_bytes=1 << 23, block_size=4).bytes_per_block
+    block_bytes = Engine(model, kv_memory_bytes=1 << 23, block_size=4, prefill_chunk=512).bytes_per_block
     cm = make_manager(model, kv_memory=block_bytes * 16)
     before = [c.chunk_id for c in cm.context_chunks()]
     with pytest.raises(CacheFullError):

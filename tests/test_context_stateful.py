@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -23,6 +24,8 @@ from kvchat.errors import KvchatError
 from tests.hf_tokenizers import load_smollm2_tokenizer
 from tests.tiny_models import make_tiny_model
 
+pytestmark = pytest.mark.slow  # a long hypothesis state machine
+
 MODEL = make_tiny_model("qwen2", vocab_size=49152, seed=1)
 TOKENIZER = load_smollm2_tokenizer()
 TEXTS = st.lists(
@@ -35,7 +38,7 @@ FAULTS = st.sampled_from([KeyboardInterrupt, RuntimeError])
 
 
 def new_manager() -> ContextManager:
-    block_bytes = Engine(MODEL, kv_memory_bytes=1 << 20, block_size=4).bytes_per_block
+    block_bytes = Engine(MODEL, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512).bytes_per_block
     engine = Engine(MODEL, kv_memory_bytes=block_bytes * 96, block_size=4, prefill_chunk=8)
     return ContextManager(engine, ChatFormat(TOKENIZER), TOKENIZER, frozenset({2}), fingerprint="tiny")
 

@@ -144,6 +144,7 @@ def test_finish_flushes_a_dangling_partial_character(qwen):
     assert detok.finish() == ("", "")
 
 
+@pytest.mark.slow  # many hypothesis examples
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(max_size=60))
 def test_property_random_text(tokenizer, text):

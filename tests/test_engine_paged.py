@@ -42,7 +42,7 @@ def test_prefill_and_decode_equal_full_forward(model, block_size):
 
 
 def test_shared_prefix_computes_only_the_tail(model):
-    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=4)
+    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=4, prefill_chunk=512)
     first = random_ids(30, seed=1)
     seq = engine.start(first)
     engine.compute(seq)
@@ -55,7 +55,7 @@ def test_shared_prefix_computes_only_the_tail(model):
 
 
 def test_all_cached_prompt_still_yields_logits(model):
-    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=4)
+    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=4, prefill_chunk=512)
     ids = random_ids(16, seed=3)
     seq = engine.start(ids)
     engine.compute(seq)
@@ -67,7 +67,7 @@ def test_all_cached_prompt_still_yields_logits(model):
 
 
 def test_workspace_switches_between_sequences(model):
-    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=8)
+    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=8, prefill_chunk=512)
     a, b = random_ids(20, seed=4), random_ids(25, seed=5)
     seq_a, seq_b = engine.start(a), engine.start(b)
     engine.compute(seq_a)
@@ -81,7 +81,7 @@ def test_workspace_switches_between_sequences(model):
 def test_rerotated_layer0_keys_equal_keys_computed_at_new_positions(model):
     from kvchat.engine.rope import rerotate_keys_, rotary_inv_freq
 
-    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=4)
+    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=4, prefill_chunk=512)
     chunk = random_ids(10, seed=7)
     prefix_a, prefix_b = random_ids(3, seed=8), random_ids(13, seed=9)
     seq_a, seq_b = engine.start(prefix_a + chunk), engine.start(prefix_b + chunk)

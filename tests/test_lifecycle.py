@@ -5,7 +5,6 @@ import signal
 
 import pytest
 
-from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.inference import Inference
 from kvchat.chunks.template import ChatFormat
@@ -17,6 +16,7 @@ from kvchat.errors import CacheFullError, ChunkError, StateFileError
 from tests.hf_tokenizers import load_qwen25_tokenizer
 from tests.test_context import GREEDY, drain, make_manager, text
 from tests.test_context_stateful import assert_refs_match
+from tests.test_repair import repair
 from tests.tiny_models import make_tiny_model
 
 
@@ -52,7 +52,7 @@ def test_a_failing_inference_keeps_no_block(model):
 
 def test_ctrl_c_in_a_reposition_prefill_is_a_clean_cancel(model, monkeypatch):
     cm = manager_with_query(model, mode=ReuseMode.REPAIR)
-    cm.repair = RepairPolicy(strategy=RepairStrategy.PREFIX)
+    cm.repair = repair(strategy=RepairStrategy.PREFIX)
     drain(cm.infer(GREEDY))
     cm.middle.reverse()  # the passages move: repair recomputes their first tokens while composing
     engine = cm.engine
@@ -202,7 +202,8 @@ def test_cache_full_message_counts_free_blocks_before_the_refusal(model):
 
 def test_dropping_the_default_system_prompt_says_what_it_is(model):
     tokenizer = load_qwen25_tokenizer()
-    engine = Engine(make_tiny_model("qwen2", vocab_size=len(tokenizer)), kv_memory_bytes=1 << 22)
+    qwen = make_tiny_model("qwen2", vocab_size=len(tokenizer))
+    engine = Engine(qwen, kv_memory_bytes=1 << 22, block_size=16, prefill_chunk=512)
     cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({151645, 151643}))
     cm.set_query("hi")
     default = cm.context_chunks()[0]

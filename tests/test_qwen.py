@@ -36,7 +36,7 @@ def test_think_spans_stream_apart_leave_the_text_and_stay_in_the_kv():
     encode = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     script = [THINK, *encode("The user greets me."), END_THINK, *encode("\n\nHello there!"), IM_END]
     model = ScriptedModel(make_tiny_model("qwen3", vocab_size=len(tokenizer)), script)
-    engine = Engine(model, kv_memory_bytes=1 << 24, block_size=8)
+    engine = Engine(model, kv_memory_bytes=1 << 24, block_size=8, prefill_chunk=512)
     cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({IM_END, 151643}))
     cm.set_query("Hi!")
     model.prompt_len = sum(len(c.token_ids) for c in cm.context_chunks()) + len(
@@ -56,7 +56,7 @@ def test_think_spans_stream_apart_leave_the_text_and_stay_in_the_kv():
 def test_qwen25_default_system_prompt_is_an_explicit_chunk_and_exact_reuse_holds():
     tokenizer = load_qwen25_tokenizer()
     model = make_tiny_model("qwen2", vocab_size=len(tokenizer))
-    engine = Engine(model, kv_memory_bytes=1 << 24, block_size=8)
+    engine = Engine(model, kv_memory_bytes=1 << 24, block_size=8, prefill_chunk=512)
     cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({IM_END, 151643}))
     cm.add_context("Qwen2.5 inserts a system prompt when none is given.")
     cm.set_query("What does it insert?")

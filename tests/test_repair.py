@@ -1,6 +1,7 @@
 """Repair by deviation (selective recompute): at share 1 it is exact, at share 0 it is reposition, its
 KV is never indexed as exact, and an interrupted recompute gives every block back."""
 
+import dataclasses
 import random
 
 import pytest
@@ -14,6 +15,8 @@ from kvchat.chunks.types import RepairStrategy, ReuseMode
 from kvchat.engine import blend
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
+from kvchat.session import repair_policy
+from kvchat.settings_schema import ReuseSettings
 from tests.hf_tokenizers import load_smollm2_tokenizer
 from tests.tiny_models import make_tiny_model
 
@@ -24,6 +27,11 @@ ONE = SamplingParams(max_tokens=1)
 def text(seed: int, n: int) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def repair(**changes) -> RepairPolicy:
+    """The policy the default settings make, with `changes`."""
+    return dataclasses.replace(repair_policy(ReuseSettings()), **changes)
 
 
 def deviation(share: float, taper: float = 0.0) -> RepairPolicy:
@@ -73,6 +81,7 @@ def test_share_one_equals_exact(kind, taper, tokenizer):
     assert (logits - full_logits(model, composed.seq.token_ids)).abs().max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_share_one_equals_exact_on_smollm2(smollm2):
     model, tokenizer = smollm2
     cm = moved_context(model, tokenizer, ReuseMode.REPAIR, deviation(1.0))
@@ -113,13 +122,13 @@ def test_partial_share_recomputes_that_share_and_reports_it(tokenizer):
 
 
 def test_layer_shares_narrow_from_the_share_and_keep_its_ends():
-    assert RepairPolicy(share=0.2).layer_shares(6) == pytest.approx([0.2] * 4)
-    shares = RepairPolicy(share=0.25, taper=0.5).layer_shares(6)
+    assert repair(share=0.2).layer_shares(6) == pytest.approx([0.2] * 4)
+    shares = repair(share=0.25, taper=0.5).layer_shares(6)
     assert shares == pytest.approx([0.5, 0.25**0.5 * 0.25 ** (1 / 3), 0.25 ** (7 / 6), 0.125])
-    assert RepairPolicy(share=1.0, taper=0.9).layer_shares(30) == [1.0] * 28
-    assert RepairPolicy(share=0.0, taper=0.9).layer_shares(30) == [0.0] * 28
+    assert repair(share=1.0, taper=0.9).layer_shares(30) == [1.0] * 28
+    assert repair(share=0.0, taper=0.9).layer_shares(30) == [0.0] * 28
     with pytest.raises(ValueError):
-        RepairPolicy(share=0.2, taper=1.0)
+        repair(share=0.2, taper=1.0)
 
 
 def test_progressive_selection_narrows_layer_by_layer(tokenizer):
@@ -152,7 +161,7 @@ def test_progressive_selection_narrows_layer_by_layer(tokenizer):
 
 def test_each_moved_chunks_first_tokens_are_recomputed_within_the_share(tokenizer):
     model = make_tiny_model("llama", vocab_size=49152, num_layers=4)
-    policy = RepairPolicy(share=0.25, min_tokens=3, strategy=RepairStrategy.DEVIATION)
+    policy = repair(share=0.25, min_tokens=3, strategy=RepairStrategy.DEVIATION, taper=0.0)
     cm = moved_context(model, tokenizer, ReuseMode.REPAIR, policy)
     composed = cm.compose()
     moved = sum(b - a for a, b in composed.repositioned)

@@ -2,12 +2,15 @@
 
 import copy
 
+import pytest
 import torch
 
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow  # the real SmolLM2
 
 
 def prompt_ids(tokenizer, text):
@@ -39,7 +42,7 @@ def test_greedy_equals_model_generate(smollm2):
         expected = model.generate(torch.tensor([ids]), generation_config=config, pad_token_id=0)[
             0, len(ids) :
         ]
-    engine = Engine(model, kv_memory_bytes=64 << 20)
+    engine = Engine(model, kv_memory_bytes=64 << 20, block_size=16, prefill_chunk=512)
     seq = engine.start(ids)
     steps = list(
         generate(engine, seq, SamplingParams(max_tokens=40), frozenset(), StreamDetokenizer(tokenizer))
@@ -52,7 +55,7 @@ def test_greedy_equals_model_generate(smollm2):
 def test_each_eos_id_stops_generation(smollm2):
     model, tokenizer = smollm2
     ids = prompt_ids(tokenizer, "Say hi.")
-    engine = Engine(model, kv_memory_bytes=64 << 20)
+    engine = Engine(model, kv_memory_bytes=64 << 20, block_size=16, prefill_chunk=512)
     seq = engine.start(ids)
     first = next(
         iter(generate(engine, seq, SamplingParams(max_tokens=1), frozenset(), StreamDetokenizer(tokenizer)))

@@ -80,7 +80,7 @@ def block_state(engine: Engine) -> tuple:
 
 def run(model, prompt, speculation=None, params=None, eos=frozenset(), kv_memory=1 << 20, filler=None):
     params = params or SamplingParams(max_tokens=60)
-    engine = Engine(model, kv_memory_bytes=kv_memory, block_size=4)
+    engine = Engine(model, kv_memory_bytes=kv_memory, block_size=4, prefill_chunk=512)
     if filler:  # leave every free block holding cached KV, so that taking one evicts it
         held = engine.start(filler)
         engine.compute(held)
@@ -146,7 +146,7 @@ def test_scripted_drafts_greedy_equal_plain_and_leave_the_same_blocks(model, wro
 def test_drafts_evict_no_cached_block_a_plain_run_keeps(model, shift):
     prompt = repeating_prompt(8)
     filler = [(7 * i) % 64 for i in range(160)]  # 40 blocks: the whole pool
-    kv_memory = 40 * Engine(model, kv_memory_bytes=1 << 20, block_size=4).bytes_per_block
+    kv_memory = 40 * Engine(model, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512).bytes_per_block
     params = SamplingParams(max_tokens=50)
     answer = [s.token_id for s in run(model, prompt, params=params)[0]]
     cut = next(i for i in range(8 + shift, 50, 4) if answer[i] not in answer[:i])
@@ -183,7 +183,7 @@ def test_closing_inside_an_accepted_run_keeps_what_was_yielded(model):
     answer = [s.token_id for s in run(model, prompt)[0]]
     engines = []
     for speculation in (None, Scripted(ScriptedDrafter(len(prompt), answer, 0.0), draft_max=8)):
-        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512)
         seq = engine.start(prompt)
         detokenizer = StreamDetokenizer(CharTokenizer())
         steps = generate(engine, seq, SamplingParams(max_tokens=60), frozenset(), detokenizer, speculation)
@@ -200,7 +200,7 @@ def test_closing_inside_an_accepted_run_keeps_what_was_yielded(model):
 def test_interrupt_during_verification_leaves_the_sequence_as_yielded(model, monkeypatch, where):
     prompt = repeating_prompt(5)
     answer = [s.token_id for s in run(model, prompt)[0]]
-    plain = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+    plain = Engine(model, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512)
     plain_seq = plain.start(prompt)
     steps = generate(
         plain, plain_seq, SamplingParams(max_tokens=60), frozenset(), StreamDetokenizer(CharTokenizer())
@@ -208,7 +208,7 @@ def test_interrupt_during_verification_leaves_the_sequence_as_yielded(model, mon
     next(steps)
     steps.close()  # the plain run stopped after its first token
 
-    engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+    engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512)
     seq = engine.start(prompt)
     if where == "forward":
         compute = engine.compute
@@ -256,6 +256,7 @@ SAMPLED = [
 ]
 
 
+@pytest.mark.slow  # statistical: many draws per case
 @pytest.mark.parametrize("params", SAMPLED)
 @pytest.mark.parametrize("draft", [0, 2, 5])  # the likeliest token, a middling one, one filtered out
 def test_verify_draws_exactly_what_the_sampler_draws(params, draft):
@@ -281,6 +282,7 @@ class ConstantDrafter:
         pass
 
 
+@pytest.mark.slow
 def test_sampled_generation_has_the_plain_distribution():
     model = make_tiny_model("llama", vocab_size=8, seed=3)
     with torch.no_grad():
@@ -289,7 +291,7 @@ def test_sampled_generation_has_the_plain_distribution():
     params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=4, seed=seed) for seed in range(600)]
     tables = []
     for speculation in (None, Scripted(ConstantDrafter(), draft_max=3)):
-        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512)
         counts = torch.zeros(3, 8 * 8)
         for p in params:
             seq = engine.start(prompt)
@@ -313,7 +315,7 @@ def test_partly_wrong_drafts_give_the_plain_answer(model):
     prompt = repeating_prompt(9)
     outputs = []
     for speculation in (None, Scripted(ScriptedDrafter(len(prompt), [], 0.0))):
-        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4)
+        engine = Engine(model, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512)
         seq = engine.start(prompt)
         if speculation is not None:
             speculation.drafter.answer = outputs[0]

@@ -14,7 +14,7 @@ from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.sampling import SamplingParams
-from kvchat.engine.speculate import Speculation
+from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import DraftModelError
 from kvchat.session import check_draft_vocabulary
 from tests.test_speculative import block_state, repeating_prompt, run, varied_model
@@ -26,7 +26,7 @@ def test_draft_model_greedy_equals_plain(draft_seed):
     draft = varied_model("qwen2", seed=draft_seed) if draft_seed else target
     prompt = repeating_prompt(6)
     plain = run(target, prompt)
-    draft_engine = Engine(draft, kv_memory_bytes=1 << 20, block_size=4)
+    draft_engine = Engine(draft, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512)
     spec = run(target, prompt, Speculation("draft", 5, draft_engine))
     assert [s.token_id for s in spec[0]] == [s.token_id for s in plain[0]]
     assert spec[1:] == plain[1:]
@@ -40,7 +40,9 @@ def test_draft_model_greedy_equals_plain(draft_seed):
 
 def test_draft_model_reuses_its_cached_prefix():
     target = varied_model("llama", seed=0)
-    draft_engine = Engine(varied_model("llama", seed=5), kv_memory_bytes=1 << 20, block_size=4)
+    draft_engine = Engine(
+        varied_model("llama", seed=5), kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512
+    )
     speculation = Speculation("draft", 4, draft_engine)
     prompt = repeating_prompt(7)
     run(target, prompt, speculation)
@@ -77,6 +79,7 @@ class _Tok:
         return len(self.vocab)
 
 
+@pytest.mark.slow
 def test_prompt_lookup_on_smollm2_equals_plain_greedy(smollm2):
     model, tokenizer = smollm2
     passage = "The keeper climbed the one hundred and twelve steps, trimmed the wick and lit the lamp."
@@ -86,7 +89,7 @@ def test_prompt_lookup_on_smollm2_equals_plain_greedy(smollm2):
     )
     answers = []
     for speculation in (None, Speculation("prompt-lookup", 8)):
-        engine = Engine(model, kv_memory_bytes=64 << 20)
+        engine = Engine(model, kv_memory_bytes=64 << 20, block_size=16, prefill_chunk=512)
         seq = engine.start(prompt)
         params = SamplingParams(max_tokens=40)
         steps = list(generate(engine, seq, params, frozenset({2}), StreamDetokenizer(tokenizer), speculation))
@@ -123,14 +126,15 @@ def test_stats_reach_the_info_line_and_json():
     assert fields["drafted_tokens"] == 8 and fields["accepted_tokens"] == 6
 
 
+@pytest.mark.slow
 def test_speculative_answers_equal_plain_through_the_context_manager(smollm2):
     from kvchat.chunks.context import ContextManager
     from kvchat.chunks.template import ChatFormat
 
     model, tokenizer = smollm2
     results = []
-    for speculation in (Speculation(), Speculation("prompt-lookup", 8)):
-        engine = Engine(model, kv_memory_bytes=64 << 20)
+    for speculation in (NO_SPECULATION, Speculation("prompt-lookup", 8)):
+        engine = Engine(model, kv_memory_bytes=64 << 20, block_size=16, prefill_chunk=512)
         cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({2}), speculation=speculation)
         cm.add_context("Paris is the capital of France. Berlin is the capital of Germany.")
         records = list(cm.chat("Copy the first sentence of the text above.", SamplingParams(max_tokens=24)))

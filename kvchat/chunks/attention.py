@@ -19,6 +19,7 @@ from kvchat.chunks.chunk import Chunk
 from kvchat.chunks.compose import chunk_ranges
 from kvchat.chunks.reports import AttentionReport, ChunkAttention
 from kvchat.chunks.types import Role
+from kvchat.chunks.view_state import ViewState
 from kvchat.errors import ChunkError
 
 if TYPE_CHECKING:
@@ -43,17 +44,18 @@ def layer_groups(num_layers: int) -> dict[str, range]:
 
 def attention_map(cm: ContextManager, output_number: int | None = None) -> AttentionReport:
     """The attention report of retained output `output_number` (default: the last answer)."""
-    context, output = _context_and_output(cm, output_number)
-    gen_len = len(cm.format.generation_prompt_ids())
-    close = cm.format.assistant_close_ids()
+    state = cm.view_state()
+    context, output = _context_and_output(state, output_number)
+    close = list(state.assistant_close_ids)
     tokens = [t for c in context for t in c.token_ids] + output.token_ids
     answer_start = len(tokens) - len(output.token_ids)
-    prompt_len = answer_start + gen_len
+    prompt_len = answer_start + len(state.generation_prompt_ids)
     end = len(tokens) - (len(close) if tokens[-len(close) :] == close else 0)
     start = prompt_len - 1  # the query that produced the first answer token
     if end <= start:
         raise ChunkError(f"output {output.output_number} has no generated token")
-    weights, live = _weights(cm, tokens, start, end)  # (L, end)
+    keys, values, live = cm.read_prefix_kv(tokens, start)  # (L, start, H, D) each
+    weights = _teacher_forced(cm.model, keys, values, tokens, start, end)  # (L, end)
     ranges = [(c, a, b) for c, a, b in chunk_ranges(context)]
     report_chunks = _shares(weights, ranges, output, answer_start, end)
     return AttentionReport(
@@ -67,50 +69,36 @@ def attention_map(cm: ContextManager, output_number: int | None = None) -> Atten
     )
 
 
-def _context_and_output(cm: ContextManager, number: int | None) -> tuple[list[Chunk], Chunk]:
+def _context_and_output(state: ViewState, number: int | None) -> tuple[list[Chunk], Chunk]:
     """The answer's context and its output chunk; for the last inference, read off the live sequence."""
-    chunks = live_chunks(cm)
+    chunks = live_chunks(state)
     held = sum(len(c.token_ids) for c in chunks)
-    if chunks and cm.live is not None and held == cm.live.num_tokens and chunks[-1].role is Role.OUTPUT:
+    live = state.live
+    if chunks and live is not None and held == live.num_tokens and chunks[-1].role is Role.OUTPUT:
         if number is None or chunks[-1].output_number == number:
             return chunks[:-1], chunks[-1]
-    output = _output(cm, number)
-    return _context_of(cm, output), output
+    output = _output(state, number)
+    return _context_of(state, output), output
 
 
-def _output(cm: ContextManager, number: int | None) -> Chunk:
+def _output(state: ViewState, number: int | None) -> Chunk:
     if number is not None:
-        return cm.registry.output(number)
-    outputs = cm.registry.outputs()
+        return state.output(number)
+    outputs = state.outputs()
     if not outputs:
         raise ChunkError("no answer yet: /infer or chat first")
     return outputs[-1]
 
 
-def _context_of(cm: ContextManager, output: Chunk) -> list[Chunk]:
-    missing = [i for i in output.source_ids if i not in cm.registry.chunks]
+def _context_of(state: ViewState, output: Chunk) -> list[Chunk]:
+    context = [state.chunk(i) for i in output.source_ids]
+    missing = [i for i, c in zip(output.source_ids, context, strict=True) if c is None]
     if missing or not output.source_ids:
         raise ChunkError(
             f"the context of output {output.output_number} is gone "
             f"(chunk {', '.join(missing) or '?'} was deleted)"
         )
-    return [cm.registry.chunks[i] for i in output.source_ids]
-
-
-def _weights(cm: ContextManager, tokens: list[int], start: int, end: int) -> tuple[torch.Tensor, bool]:
-    """Attention of each layer to each position, averaged over heads and queries start..end-1: (L, end)."""
-    engine, live = cm.engine, cm.live
-    if live is not None and live.token_ids[: len(tokens)] == tokens and live.num_computed >= start:
-        keys, values = engine.read_kv(live, 0, start)  # (L, start, H, D)
-        return _teacher_forced(engine.model, keys, values, tokens, start, end), True
-    seq = engine.start(tokens[: start + 1])
-    try:
-        if seq.num_computed < start:
-            engine.compute(seq, until=start)
-        keys, values = engine.read_kv(seq, 0, start)  # (L, start, H, D)
-    finally:
-        engine.free(seq)
-    return _teacher_forced(engine.model, keys, values, tokens, start, end), False
+    return [c for c in context if c is not None]
 
 
 @torch.inference_mode()

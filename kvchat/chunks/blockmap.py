@@ -1,6 +1,6 @@
 """A map of the KV pool for `/blocks`: every block's state, references, owning chunks and exactness.
 
-Pure Python over the block manager's ints: owners come from the chunks' kept spans and from the live
+Pure Python over a ViewState's ints: owners come from the chunks' kept spans and from the live
 sequence (the last inference, whose token list says which chunks it holds).
 """
 
@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 
 from kvchat.chunks.chunk import Chunk
 from kvchat.chunks.types import Role
-from kvchat.engine.block_manager import BlockManager
-from kvchat.engine.sequence import Sequence
+from kvchat.chunks.view_state import BlockState, ViewState
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
@@ -85,32 +84,27 @@ class BlockMap:
         }
 
 
-def block_map(
-    blocks: BlockManager, chunks: list[Chunk], live: Sequence | None, live_chunks: list[Chunk]
-) -> BlockMap:
-    """The map of the pool. `chunks`: every registered chunk (their spans name blocks); `live_chunks`:
-    the chunks the live sequence's tokens start with, in order."""
+def block_map(state: ViewState) -> BlockMap:
+    """The map of the pool: owners from the chunks' kept spans and the chunks the live sequence holds."""
     owners: dict[int, list[str]] = {}
     moved: set[int] = set()
+    live = state.live
     if live is not None and live.block_table:
         start = 0
-        for chunk in live_chunks:
+        for chunk in live_chunks(state):
             for block_id in live.blocks_covering(start, start + len(chunk.token_ids)):
                 owners.setdefault(block_id, []).append(chunk.chunk_id)
             start += len(chunk.token_ids)
         moved.update(live.blocks_covering(live.exact_limit, live.num_computed))
-    for chunk in chunks:
-        span = chunk.span
-        if span is None or not span.is_valid(blocks):
-            continue
+    for chunk_id, span in state.kept_spans.items():
         for block_id in span.block_ids:
-            if chunk.chunk_id not in owners.setdefault(block_id, []):
-                owners[block_id].append(chunk.chunk_id)
+            if chunk_id not in owners.setdefault(block_id, []):
+                owners[block_id].append(chunk_id)
             if not span.exact:
                 moved.add(block_id)
-    cells = [_cell(blocks, b, owners.get(b, []), b not in moved) for b in range(blocks.num_blocks)]
+    cells = [_cell(b, block, owners.get(b, []), b not in moved) for b, block in enumerate(state.blocks)]
     kept = [c for c in cells if c is not None]
-    by_id = {c.chunk_id: c for c in chunks}
+    by_id = {c.chunk_id: c for c in state.chunks}
     count: dict[str, int] = {}
     for cell in kept:
         for chunk_id in cell.chunk_ids:
@@ -119,13 +113,12 @@ def block_map(
         ChunkKey(i, by_id[i].number, by_id[i].role, by_id[i].output_number, n)
         for i, n in sorted(count.items(), key=lambda item: by_id[item[0]].number)
     ]
-    return BlockMap(blocks.num_blocks, blocks.block_size, kept, keys)
+    return BlockMap(len(state.blocks), state.block_size, kept, keys)
 
 
-def _cell(blocks: BlockManager, block_id: int, chunk_ids: list[str], exact: bool) -> BlockCell | None:
-    block = blocks.blocks[block_id]
+def _cell(block_id: int, block: BlockState, chunk_ids: list[str], exact: bool) -> BlockCell | None:
     if block.ref_count == 0:
-        if block.parent_hash is None:
+        if not block.holds_kv:
             return None  # free: nothing reusable in it
         # An unreferenced block holds only recorded (exact) KV; a stale owner entry cannot apply.
         return BlockCell(block_id, CACHED, 0, chunk_ids, True)
@@ -133,13 +126,13 @@ def _cell(blocks: BlockManager, block_id: int, chunk_ids: list[str], exact: bool
     return BlockCell(block_id, state, block.ref_count, chunk_ids, exact)
 
 
-def live_chunks(cm: ContextManager) -> list[Chunk]:
+def live_chunks(state: ViewState) -> list[Chunk]:
     """The chunks the live sequence's tokens are made of, in order, as far as registered chunks
     account for them (the token list is the truth; the longest chunk matching at each place wins)."""
-    live = cm.live
+    live = state.live
     if live is None:
         return []
-    candidates = [c for c in cm.registry.chunks.values() if c.token_ids]
+    candidates = [c for c in state.chunks if c.token_ids]
     found: list[Chunk] = []
     pos = 0
     while True:
@@ -153,5 +146,4 @@ def live_chunks(cm: ContextManager) -> list[Chunk]:
 
 def cache_map(cm: ContextManager) -> BlockMap:
     """The map of the manager's pool, its chunks and its live sequence."""
-    chunks = list(cm.registry.chunks.values())
-    return block_map(cm.engine.blocks, chunks, cm.live, live_chunks(cm))
+    return block_map(cm.view_state())

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvchat.chunks.chunk import Chunk
-from kvchat.chunks.inference import Inference
+from kvchat.chunks.inference import Inference, Setup
 from kvchat.chunks.reports import Comparison, ModeAnswer
 from kvchat.chunks.types import ReuseMode
 from kvchat.engine.sampling import SamplingParams
@@ -32,16 +32,16 @@ def compare_modes(
 ) -> Comparison:
     """Answer the current query under each mode (greedy, up to `params.max_tokens`), keeping nothing;
     `on_answer(mode, text)` hears of each answer as it is done."""
-    if cm.query is None and not cm.turns:
+    if not cm.view_state().can_answer:
         raise ChunkError("no query to answer: set one with /query TEXT")
     if not modes:
         raise ChunkError("no mode to compare")
     greedy = replace(params, temperature=0.0, repetition_penalty=1.0)
-    chunks = cm.context_chunks()
+    setup, chunks = cm.setup, list(cm.view_state(with_context=True).context)
     order = sorted(dict.fromkeys(modes), key=lambda m: m is ReuseMode.EXACT)
     runs = {}
     for mode in order:
-        runs[mode] = answer_once(cm, chunks, mode, greedy)
+        runs[mode] = answer_once(replace(setup, mode=mode), chunks, greedy)
         if on_answer is not None:
             on_answer(mode, runs[mode][1])
     reference = ReuseMode.EXACT if ReuseMode.EXACT in runs else modes[0]
@@ -50,7 +50,7 @@ def compare_modes(
     for mode in dict.fromkeys(modes):
         token_ids, text, ttft, reused, moved, computed = runs[mode]
         diff = first_difference(ref_ids, token_ids)
-        char = None if diff is None else _text_length(cm, token_ids[:diff], text)
+        char = None if diff is None else _text_length(setup.tokenizer, token_ids[:diff], text)
         results.append(
             ModeAnswer(
                 mode,
@@ -69,16 +69,17 @@ def compare_modes(
 
 
 def answer_once(
-    cm: ContextManager, chunks: list[Chunk], mode: ReuseMode, params: SamplingParams
+    setup: Setup, chunks: list[Chunk], params: SamplingParams
 ) -> tuple[list[int], str, float, int, int, int]:
-    """(token ids, text, ttft, reused, repositioned, computed) of one answer; its sequence is freed."""
-    with Inference(replace(cm.setup, mode=mode), chunks, params) as run:
+    """(token ids, text, ttft, reused, repositioned, computed) of one answer under `setup.mode`; its
+    sequence is freed."""
+    with Inference(setup, chunks, params) as run:
         for _ in run.steps():
             pass
     result = run.result(None)
     if result.finish_reason == "cancelled":
-        raise ChunkError(f"/compare cancelled during {mode}")
-    token_ids = [t for t in result.token_ids if t not in cm.eos_token_ids]
+        raise ChunkError(f"/compare cancelled during {setup.mode}")
+    token_ids = [t for t in result.token_ids if t not in setup.eos_token_ids]
     return (
         token_ids,
         result.text,
@@ -105,6 +106,6 @@ def agreement(reference: list[int], other: list[int]) -> float:
     return sum(a == b for a, b in zip(reference, other, strict=False)) / longest
 
 
-def _text_length(cm: ContextManager, token_ids: list[int], text: str) -> int:
-    prefix = cm.tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+def _text_length(tokenizer, token_ids: list[int], text: str) -> int:
+    prefix = tokenizer.decode(token_ids, skip_special_tokens=True).strip()
     return min(len(prefix), len(text))

@@ -24,13 +24,15 @@ from kvchat.engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class RepairPolicy:
-    share: float = 0.15
-    min_tokens: int = 4
-    strategy: RepairStrategy = RepairStrategy.DEVIATION
-    probe_layer: int = 1  # deviation: layers 0..probe_layer run over every moved token
+    """What repair recomputes; built from the reuse settings (kvchat.session.repair_policy)."""
+
+    share: float
+    min_tokens: int
+    strategy: RepairStrategy
     # deviation: 0 selects once; t > 0 narrows the selection after every layer, from share ** (1 - t)
     # of the moved tokens into the first layer after the probe down to share ** (1 + t) into the last
-    taper: float = 0.0
+    taper: float
+    probe_layer: int = 1  # deviation: layers 0..probe_layer run over every moved token
 
     def __post_init__(self) -> None:
         if not (0 <= self.share <= 1 and 0 <= self.taper < 1 and self.probe_layer >= 0):
@@ -44,6 +46,10 @@ class RepairPolicy:
         count = num_layers - 1 - self.probe_layer
         steps = [j / (count - 1) if count > 1 else 0.5 for j in range(count)]
         return [self.share ** (1 - self.taper + 2 * self.taper * step) for step in steps]
+
+
+# A manager given no policy repairs nothing: repair mode then equals reposition.
+NO_REPAIR = RepairPolicy(0.0, 0, RepairStrategy.PREFIX, 0.0)
 
 
 @dataclass

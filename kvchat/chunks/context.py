@@ -8,9 +8,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 from kvchat.chunks import describe, persist
 from kvchat.chunks.chunk import Chunk, ChunkRegistry
-from kvchat.chunks.compose import ComposedSequence, RepairPolicy, chunk_ranges
+from kvchat.chunks.compose import NO_REPAIR, ComposedSequence, RepairPolicy, chunk_ranges
 from kvchat.chunks.inference import Inference, Setup
 from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.retry import answer_to_retry
@@ -25,10 +27,11 @@ from kvchat.chunks.types import (
     Role,
 )
 from kvchat.chunks.verify import measure_fidelity
+from kvchat.chunks.view_state import ViewState, make_view_state
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
-from kvchat.engine.speculate import Speculation
+from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
 from kvchat.interrupts import interrupts_ignored
 from kvchat.models.device import describe_runtime
@@ -64,8 +67,8 @@ class ContextManager:
         )
         self.model_id, self.fingerprint = model_id, fingerprint
         self.mode = ReuseMode(mode)
-        self.repair = repair or RepairPolicy()
-        self.speculation = speculation or Speculation()
+        self.repair = repair or NO_REPAIR
+        self.speculation = speculation or NO_SPECULATION
         self.registry = ChunkRegistry()
         self.system: str | None = None  # chunk ids
         self.middle: list[str] = []
@@ -195,7 +198,7 @@ class ContextManager:
             run.hand_over()
         return composed
 
-    def verify(self, num_tokens: int = 16) -> FidelityReport:
+    def verify(self, num_tokens: int) -> FidelityReport:
         """Compare the reuse mode with a full recompute of the current context over `num_tokens`."""
         if self.query is None and not self.turns:
             raise ChunkError("nothing to verify: set a query with /query TEXT")
@@ -369,3 +372,36 @@ class ContextManager:
         if self.live is not None:
             self.engine.free(self.live)
             self.live = None
+
+    # -- read API for the cache views --------------------------------------------------------------
+
+    def view_state(self, with_context: bool = False) -> ViewState:
+        """A copy of what /blocks, /attention and /compare read: chunks, live sequence, blocks, and
+        `with_context` the context (which registers the template's default system prompt if none is set)."""
+        return make_view_state(
+            self.engine.blocks,
+            list(self.registry.chunks.values()),
+            self.context_chunks() if with_context else [],
+            self.live,
+            can_answer=self.query is not None or bool(self.turns),
+            format_ids=(self.format.generation_prompt_ids(), self.format.assistant_close_ids()),
+        )
+
+    def read_prefix_kv(self, token_ids: list[int], end: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """K/V (L, end, H, D) of the first `end` of `token_ids`, and whether it is the live sequence's (the
+        KV the last inference used, moved KV included); otherwise exact KV, computed and freed again."""
+        live = self.live
+        if live is not None and live.token_ids[: len(token_ids)] == token_ids and live.num_computed >= end:
+            return *self.engine.read_kv(live, 0, end), True
+        seq = self.engine.start(token_ids[: end + 1])
+        try:
+            if seq.num_computed < end:
+                self.engine.compute(seq, until=end)
+            return *self.engine.read_kv(seq, 0, end), False
+        finally:
+            self.engine.free(seq)
+
+    @property
+    def model(self):
+        """The transformers model the engine runs, for views that run their own forward."""
+        return self.engine.model

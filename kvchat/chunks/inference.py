@@ -26,7 +26,7 @@ from kvchat.engine.records import GenerationStep, PrefillProgress
 from kvchat.engine.rope import rotary_inv_freq
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
-from kvchat.engine.speculate import Speculation
+from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import CacheFullError
 
 
@@ -40,7 +40,7 @@ class Setup:
     eos_token_ids: frozenset[int]
     mode: ReuseMode
     repair: RepairPolicy
-    speculation: Speculation = Speculation()
+    speculation: Speculation = NO_SPECULATION
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvchat.chunks.blockmap import BlockMap, cache_map
 from kvchat.chunks.reports import AttentionReport, Comparison, FidelityReport
-from kvchat.chunks.types import CacheStats, ChunkDetail, InferenceStream, ReuseMode
+from kvchat.chunks.types import CacheStats, ChunkDetail, InferenceStream
 from kvchat.cli import cache_commands, habit_commands
 from kvchat.cli.arguments import count, read_text
 from kvchat.cli.results import (
@@ -285,15 +285,10 @@ class Shell:
         info = setting_info(typed_key)
         settings = replace_setting(self.settings, info.key, value.strip())
         new_value = setting_values(settings)[info.key]
-        if info.key == "reuse.mode":
-            self.ctx.mode = ReuseMode(new_value)
-        if info.key.startswith("reuse.repair_"):
-            from kvchat.session import repair_policy  # torch: imported once a model runs
+        if info.spec.live:
+            from kvchat.session import apply_live_settings  # torch: imported once a model runs
 
-            self.ctx.repair = repair_policy(settings.reuse)
-        if info.table == "decode":
-            decode = settings.decode
-            self.ctx.speculation = self.ctx.speculation.with_settings(decode.speculate, decode.draft_max)
+            apply_live_settings(self.ctx, settings)
         self.settings = settings
         # Settings that are not live are read once, when kvchat starts.
         later = "" if info.spec.live else f" ({restart_hint(info, new_value, self.config_file)})"

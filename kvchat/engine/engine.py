@@ -32,9 +32,9 @@ class Engine:
         self,
         model,
         *,
-        kv_memory_bytes: int = 512 << 20,
-        block_size: int = 16,
-        prefill_chunk: int = 512,
+        kv_memory_bytes: int,
+        block_size: int,
+        prefill_chunk: int,
     ):
         self.model = model
         self.block_size, self.prefill_chunk = block_size, prefill_chunk

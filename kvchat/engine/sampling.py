@@ -1,4 +1,4 @@
-"""Sampling settings and the one sampler built from them."""
+"""The one sampler, built from SamplingParams (re-exported here for the engine's callers)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kvchat.settings_schema import SamplingParams, check_section
+from kvchat.engine.sampling_params import SamplingParams
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -138,7 +138,9 @@ class Sampler:
 
 def make_sampler(params: SamplingParams, device: torch.device | str = "cpu") -> Sampler:
     """Validate `params` (ValueError) and build the sampler, with its generator seeded once."""
-    check_section(params)  # the ranges `/set` and the config files check, so they never disagree
+    problem = params.problem()
+    if problem is not None:
+        raise ValueError(problem)
     generator = torch.Generator(device=device)
     if params.seed is None:
         generator.seed()

@@ -6,7 +6,7 @@ the ones the sampler accepts. Pure Python over ints, except the draft model (whi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvchat.errors import DraftModelError
@@ -31,8 +31,8 @@ class Speculation:
     """How an inference drafts: `mode` off, prompt-lookup or draft, at most `draft_max` tokens per step;
     mode "draft" drafts with `draft_engine`'s model, which shares the main model's tokenizer."""
 
-    mode: str = "off"
-    draft_max: int = 8
+    mode: str
+    draft_max: int
     draft_engine: Engine | None = None
 
     def __post_init__(self) -> None:
@@ -40,9 +40,6 @@ class Speculation:
             raise DraftModelError(
                 "speculate = draft needs a draft model: set model.draft_model (--draft-model)"
             )
-
-    def with_settings(self, mode: str, draft_max: int) -> Speculation:
-        return replace(self, mode=mode, draft_max=draft_max)
 
     def make_drafter(self, vocab_size: int) -> Drafter | None:
         """A drafter for one generation by a model with `vocab_size` token ids."""
@@ -54,6 +51,10 @@ class Speculation:
         from kvchat.engine.draft_model import DraftModel  # torch only where a draft model runs
 
         return DraftModel(self.draft_engine, vocab_size)
+
+
+# What an inference given no speculation does: decode one token at a time.
+NO_SPECULATION = Speculation("off", 1)
 
 
 class PromptLookup:
