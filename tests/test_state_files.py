@@ -54,14 +54,14 @@ def test_save_to_a_path_that_cannot_take_it_is_one_clear_error(saved, tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda m: m.pop("layout"), "layout lacks"),
+        (lambda m: m.pop("layout"), "the file lacks layout"),
         (lambda m: m["layout"].pop("block_size"), "layout lacks block_size"),
-        (lambda m: m.pop("chunks"), "no chunk list"),
-        (lambda m: m["chunks"][0].pop("token_ids"), "chunk lacks token_ids"),
-        (lambda m: m["chunks"][0].update(role="wizard"), "unknown role 'wizard'"),
+        (lambda m: m.pop("chunks"), "the file lacks chunks"),
+        (lambda m: m["chunks"][0].pop("token_ids"), "chunks.0 lacks token_ids"),
+        (lambda m: m["chunks"][0].update(role="wizard"), "chunks.0.role: Input should be"),
         (lambda m: m["context"].pop("turns"), "context lacks turns"),
         (lambda m: m["live"].pop("exact"), "live lacks exact"),
-        (lambda m: m.update(context=[]), "context lacks system"),
+        (lambda m: m.update(context=[]), "context: Input should be an object"),
     ],
 )
 def test_damaged_metadata_is_refused_and_changes_nothing(saved, model, change, message):  # noqa: F811

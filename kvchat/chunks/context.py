@@ -308,28 +308,29 @@ class ContextManager:
         )
 
     def load(self, path: Path) -> int:
-        """Replace the session with the one saved in `path`; returns the number of chunks. A file that
-        is unreadable, made for another model or too big for the cache changes nothing."""
+        """Replace the session with the one saved in `path`; returns the number of chunks. The whole
+        file is checked and its KV staged beside the session before one swap: a file refused, too big
+        or interrupted changes nothing."""
         saved = persist.read(self.engine, self._layout(), Path(path))
-        held = self.held_blocks()  # what a reset frees: blocks no one else references
-        available = self.engine.blocks.num_free + sum(
-            1 for b, n in held.items() if self.engine.blocks.blocks[b].ref_count == n
-        )
-        if saved.num_blocks > available:
+        if saved.num_blocks > self.engine.blocks.num_free:
             raise StateFileError(
-                f"{path}: needs {saved.num_blocks} KV blocks, {available} free: raise --kv-memory"
+                f"{path}: needs {saved.num_blocks} KV blocks beside this session's, "
+                f"{self.engine.blocks.num_free} free: /reset first or raise --kv-memory"
             )
-        self.reset()
-        live, chunks = persist.restore(self.engine, saved)
-        self.registry.restore(chunks)
-        self.live = live
-        ctx = saved.context
-        self.system, self.middle, self.turns, self.query = (
-            ctx.system,
-            list(ctx.middle),
-            list(ctx.turns),
-            ctx.query,
-        )
+        live, chunks = persist.stage(self.engine, saved)
+        committed = False
+        try:
+            with interrupts_ignored():  # the swap is bookkeeping over ints: once begun, it runs to the end
+                self.reset()
+                self.registry.restore(chunks)
+                self.live, committed = live, True
+                c = saved.context
+                self.system, self.middle, self.turns, self.query = c.system, c.middle, c.turns, c.query
+                if live is not None:
+                    self.engine.index(live)
+        finally:
+            if not committed:
+                persist.unstage(self.engine, live, chunks)
         return len(chunks)
 
     def _layout(self) -> dict[str, object]:
