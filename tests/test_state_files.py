@@ -2,11 +2,14 @@
 
 import json
 import os
+import stat
+import subprocess
 
 import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kvchat.chunks import save_target
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import StateFileError
 from tests.test_context import drain, make_manager, model  # noqa: F401  (module fixture)
@@ -96,3 +99,67 @@ def test_reset_starts_the_hit_counts_afresh(saved):
     cm.reset()
     stats = cm.stats()
     assert (stats.hit_tokens, stats.lookup_tokens, stats.hit_rate) == (0, 0, 0.0)
+
+
+def test_save_refuses_links_devices_fifos_and_files_that_are_not_saves(saved, tmp_path):
+    cm, path = saved
+    fifo, link, other = tmp_path / "fifo", tmp_path / "link", tmp_path / "notes.txt"
+    os.mkfifo(fifo)
+    link.symlink_to(path)
+    other.write_text("my notes")
+    cases = {
+        fifo: "not a regular file",
+        "/dev/null": "not a regular file",
+        link: "symbolic link",
+        other: "it exists and is not a kvchat save",
+    }
+    for target, reason in cases.items():
+        with pytest.raises(StateFileError, match="cannot save to") as err:
+            cm.save(target)
+        assert reason in str(err.value)
+    assert other.read_text() == "my notes" and link.is_symlink() and stat.S_ISFIFO(fifo.stat().st_mode)
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert cm.save(path) > 0  # an older kvchat save is replaced
+
+
+def test_save_honours_the_umask_and_leaves_no_temporary(saved, tmp_path, monkeypatch):
+    cm, _ = saved
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600)):
+        previous = os.umask(umask)
+        try:
+            cm.save(tmp_path / f"u{umask:o}.kv")
+        finally:
+            os.umask(previous)
+        assert stat.S_IMODE((tmp_path / f"u{umask:o}.kv").stat().st_mode) == mode
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    before = (tmp_path / "u22.kv").read_bytes()
+    monkeypatch.setattr(save_target, "save_file", broken)
+    with pytest.raises(KeyboardInterrupt):
+        cm.save(tmp_path / "u22.kv")
+    assert (tmp_path / "u22.kv").read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_the_next_save_removes_temporaries_of_dead_saves_only(saved, tmp_path):
+    cm, path = saved
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid names no process now
+    stale = tmp_path / f".s.safetensors.kvchat-{gone.pid}-0a1b.tmp"
+    alive = tmp_path / f".s.safetensors.kvchat-{os.getppid()}-0a1b.tmp"
+    mine = tmp_path / "notes.kvchat-1-zz.tmp"  # not a name kvchat makes
+    for p in (stale, alive, mine):
+        p.write_bytes(b"x" * 10)
+    cm.save(path)
+    assert not stale.exists() and alive.exists() and mine.exists()
+
+
+def test_load_of_a_device_or_fifo_is_not_a_regular_file(saved, tmp_path):
+    cm, _ = saved
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target in (fifo, "/dev/zero"):
+        with pytest.raises(StateFileError, match="not a regular file"):
+            cm.load(target)

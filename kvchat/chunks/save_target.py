@@ -37,8 +37,9 @@ def write(
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(path.parent)
         tmp = path.parent / f".{path.name}.kvchat-{os.getpid()}-{secrets.token_hex(4)}.tmp"
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies
+        mode = _create_under_umask(tmp)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        os.chmod(tmp, mode)  # safetensors may write a file of its own with mode 0600
         os.replace(tmp, path)
     except (OSError, SafetensorError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
@@ -46,6 +47,15 @@ def write(
     finally:
         if tmp is not None and os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+def _create_under_umask(path: Path) -> int:
+    """Create an empty file as any tool would (0666 less the umask); returns its mode."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
 
 
 def check_target(path: Path, is_state_meta: Callable[[str], bool]) -> None:
