@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
@@ -11,7 +13,8 @@ from kvchat.chunks.types import RepairStrategy, ReuseMode
 from kvchat.config import ReuseSettings, Settings
 from kvchat.engine.engine import Engine
 from kvchat.engine.speculate import Speculation
-from kvchat.errors import DraftModelError
+from kvchat.errors import ConfigError, DraftModelError
+from kvchat.models.device import available_memory_bytes
 from kvchat.models.loader import LoadedModel, load_model
 from kvchat.models.progress import ProgressCallback
 
@@ -40,12 +43,24 @@ def open_session(settings: Settings, progress: ProgressCallback | None = None) -
 
 
 def make_engine(loaded: LoadedModel, settings: Settings) -> Engine:
+    check_kv_memory(settings.cache.kv_memory_mb, next(loaded.model.parameters()).device)
     return Engine(
         loaded.model,
         kv_memory_bytes=settings.cache.kv_memory_mb << 20,
         block_size=settings.cache.block_size,
         prefill_chunk=settings.cache.prefill_chunk,
     )
+
+
+def check_kv_memory(kv_memory_mb: int, device: torch.device) -> None:
+    """Refuse a KV budget the machine cannot hold: the pool would grow until the kernel killed kvchat."""
+    available = available_memory_bytes(device)
+    if kv_memory_mb << 20 > available:
+        where = "GPU memory" if device.type == "cuda" else "memory"
+        raise ConfigError(
+            f"--kv-memory {kv_memory_mb} MiB is more than the {available >> 20} MiB of {where} "
+            "available now; lower it"
+        )
 
 
 def check_draft_vocabulary(main: LoadedModel, draft: LoadedModel) -> None:

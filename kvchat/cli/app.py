@@ -22,7 +22,8 @@ from kvchat.cli.repl import make_prompt_session, run_interactive
 from kvchat.cli.script import run_script
 from kvchat.cli.ui import UI
 from kvchat.config import load_settings
-from kvchat.errors import KvchatError
+from kvchat.errors import ConfigError, KvchatError, PathError
+from kvchat.paths import user_path
 from kvchat.settings_schema import SettingInfo, all_settings
 
 if TYPE_CHECKING:
@@ -176,6 +177,7 @@ def session_main(flags: dict[str, Any], script: Path | None, open_session: Sessi
     try:
         settings = load_settings(flags.get("config"), flags=setting_flags(flags))
         ui = UI(color=settings.ui.color, json_lines=settings.ui.json, debug=settings.ui.debug)
+        _history_file(settings)  # a path that cannot name a file stops the start, in one line
         with ui.progress() as progress:
             shell = Shell(open_session(settings, progress), settings)
     except (KvchatError, OSError) as exc:
@@ -213,7 +215,10 @@ def _open_real_session(settings: Settings, progress: ProgressCallback | None) ->
 
 def _history_file(settings: Settings) -> Path | None:
     history = settings.ui.history_file
-    return Path(history).expanduser() if history else None
+    try:
+        return user_path(history) if history else None
+    except PathError as err:
+        raise ConfigError(f"ui.history_file: {err}") from None
 
 
 def _stdin_is_terminal() -> bool:

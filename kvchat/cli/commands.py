@@ -6,7 +6,6 @@ Bad input raises a KvchatError before anything changes.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat.chunks.blockmap import BlockMap, cache_map
@@ -29,6 +28,7 @@ from kvchat.cli.results import (
 from kvchat.cli.settings import setting_info, setting_values, shown_value
 from kvchat.config import replace_setting
 from kvchat.errors import CommandError
+from kvchat.paths import user_path
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
@@ -80,7 +80,7 @@ class Shell:
         after the system prompt, in the order added; adding the same text again does nothing.
         @FILE reads a UTF-8 text file of at most 16 MiB (a leading ~ is your home directory).
         """
-        text = read_text(Path(arg[1:]).expanduser()) if arg.startswith("@") else arg
+        text = read_text(user_path(arg[1:])) if arg.startswith("@") else arg
         return ChunkChange("added", self.ctx.add_context(text))
 
     @command("query", "Set the query that /infer answers", usage="TEXT", arg=ArgKind.TEXT)
@@ -318,7 +318,7 @@ class Shell:
         """Writes every chunk and retained output with its KV, and the context, to one safetensors file
         (atomically: a failed save leaves the old file). The file records the model and KV layout.
         """
-        path = Path(arg).expanduser()
+        path = user_path(arg)
         num_chunks = self.ctx.save(path)
         return Notice(f"saved {num_chunks} chunks to {path}", {"path": str(path), "num_chunks": num_chunks})
 
@@ -327,10 +327,10 @@ class Shell:
         """Replaces the session's chunks, outputs, context and KV with those saved in FILE. A file made
         for another model, dtype or block size, or a damaged one, is refused and the session is kept.
         """
-        path = Path(arg).expanduser()
+        path = user_path(arg)
         if path.is_dir():
             raise CommandError(f"{path} is a directory, not a state file")
-        if not path.is_file():
+        if not path.exists():
             raise CommandError(f"no such file: {path}")
         num_chunks = self.ctx.load(path)
         return Notice(

@@ -1,0 +1,54 @@
+"""Limits and odd input at the edges: each is one clear line, and changes nothing."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvchat.cli.app import make_app
+from kvchat.cli.runner import Status
+from kvchat.errors import ConfigError
+from kvchat.session import check_kv_memory
+from tests.fake_context import FakeContextManager, isolated_user_dirs, make_harness  # noqa: F401
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("/context @~nosuchuser/notes.txt", "there is no user 'nosuchuser'"),
+        ("/save ~nosuchuser/s.kv", "there is no user 'nosuchuser'"),
+        ("/load ~nosuchuser/s.kv", "there is no user 'nosuchuser'"),
+        ("/context @notes\0.txt", "a path cannot hold a NUL byte"),
+        ("/save s\0.kv", "a path cannot hold a NUL byte"),
+        ("/load s\0.kv", "a path cannot hold a NUL byte"),
+    ],
+)
+def test_paths_that_cannot_name_a_file_are_one_line(line, message):
+    h = make_harness()
+    h.run("/context Known text.")
+    h.take()
+    before = h.ctx.state()
+    assert h.run(line) is Status.FAILED
+    out = h.take()
+    assert out.count("\n") == 1 and out.startswith("error: ") and message in out
+    assert h.ctx.state() == before
+
+
+def test_a_kv_budget_larger_than_the_memory_is_refused():
+    with pytest.raises(ConfigError, match=r"--kv-memory 999999999 MiB is more than the \d+ MiB of memory"):
+        check_kv_memory(999999999, torch.device("cpu"))
+    check_kv_memory(1, torch.device("cpu"))
+
+
+def test_a_history_file_that_cannot_name_a_file_stops_the_start(tmp_path):
+    opened: list[int] = []
+    for value in ("~nosuchuser/history", "hist\\u0000ory"):
+        config = tmp_path / "config.toml"
+        config.write_text(f'[ui]\nhistory_file = "{value}"\n')
+        result = CliRunner().invoke(
+            make_app(lambda settings, progress: opened.append(1) or FakeContextManager()),
+            ["--config", str(config)],
+            input="",
+        )
+        assert result.exit_code == 2, result.output
+        assert result.stderr.count("\n") == 1 and "ui.history_file" in result.stderr
+    assert not opened  # refused before the model loads
