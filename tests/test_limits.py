@@ -52,3 +52,11 @@ def test_a_history_file_that_cannot_name_a_file_stops_the_start(tmp_path):
         assert result.exit_code == 2, result.output
         assert result.stderr.count("\n") == 1 and "ui.history_file" in result.stderr
     assert not opened  # refused before the model loads
+
+
+def test_reset_says_what_it_keeps():
+    h = make_harness()
+    h.run("/context Known text.")
+    h.take()
+    assert h.run("/reset") is Status.OK
+    assert "no block is held" in h.take()

@@ -163,3 +163,15 @@ def test_load_of_a_device_or_fifo_is_not_a_regular_file(saved, tmp_path):
     for target in (fifo, "/dev/zero"):
         with pytest.raises(StateFileError, match="not a regular file"):
             cm.load(target)
+
+
+def test_reset_holds_no_block_and_keeps_exact_kv_for_reuse(saved):
+    cm, _ = saved
+    cm.set_query("hello there")
+    first = drain(cm.infer(SamplingParams(max_tokens=2)))
+    cm.reset()
+    stats = cm.stats()
+    assert stats.num_used == 0 and stats.num_pinned == 0 and stats.num_cached > 0
+    cm.set_query("hello there")
+    again = drain(cm.infer(SamplingParams(max_tokens=2)))
+    assert again.reused_tokens > 0 and again.token_ids == first.token_ids

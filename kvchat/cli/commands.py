@@ -186,13 +186,15 @@ class Shell:
         self.ctx.clear()
         return Notice("context cleared; chunks and outputs kept")
 
-    @command("reset", "Delete every chunk and output; free every block")
+    @command("reset", "Delete every chunk and output; no block stays held")
     def reset(self, arg: str) -> Notice:
-        """Deletes every chunk and retained output and frees every KV block; the hit counts of /stats
-        start again from zero. Settings are kept.
+        """Deletes every chunk and retained output and releases every KV block; the hit counts of /stats
+        start again from zero. Settings are kept. Blocks holding exact KV stay in the prefix cache until
+        reused: exact KV depends only on the tokens, so reusing it never changes an answer.
         """
         self.ctx.reset()
-        return Notice("everything deleted; every block is free")
+        cached = self.ctx.stats().num_cached
+        return Notice(f"everything deleted; no block is held ({cached} keep exact KV for reuse)")
 
     @command("stats", "KV cache blocks, bytes and hit rate")
     def stats(self, arg: str) -> CacheStats:
