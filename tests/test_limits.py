@@ -1,11 +1,14 @@
 """Limits and odd input at the edges: each is one clear line, and changes nothing."""
 
+import io
+
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from kvchat.cli.app import make_app
 from kvchat.cli.runner import Status
+from kvchat.cli.script import read_commands
 from kvchat.errors import ConfigError
 from kvchat.session import check_kv_memory
 from tests.fake_context import FakeContextManager, isolated_user_dirs, make_harness  # noqa: F401
@@ -60,3 +63,8 @@ def test_reset_says_what_it_keeps():
     h.take()
     assert h.run("/reset") is Status.OK
     assert "no block is held" in h.take()
+
+
+def test_a_byte_order_mark_starting_any_script_line_is_ignored():
+    script = "\ufeff/context a\n\ufeff/query b\n\ufeffhello\n".encode()
+    assert [c.text for c in read_commands(io.BytesIO(script))] == ["/context a", "/query b", "hello"]
