@@ -164,7 +164,7 @@ class SamplingParams:
         flag="--seed",
         range=Range(0, 2**64 - 1),  # what torch.Generator.manual_seed takes
     )
-    stop: tuple[str, ...] = setting((), "Strings that end an answer.", live=True)
+    stop: tuple[str, ...] = setting((), "Strings that end an answer (`none` clears them).", live=True)
 
 
 @dataclass(frozen=True)

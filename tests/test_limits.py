@@ -68,3 +68,13 @@ def test_reset_says_what_it_keeps():
 def test_a_byte_order_mark_starting_any_script_line_is_ignored():
     script = "\ufeff/context a\n\ufeff/query b\n\ufeffhello\n".encode()
     assert [c.text for c in read_commands(io.BytesIO(script))] == ["/context a", "/query b", "hello"]
+
+
+def test_set_none_clears_the_stop_list():
+    h = make_harness()
+    assert h.run('/set sampling.stop ["###", "none"]') is Status.OK
+    assert h.shell.settings.sampling.stop == ("###", "none")
+    assert h.run("/set sampling.stop none") is Status.OK
+    assert h.shell.settings.sampling.stop == ()
+    assert h.run('/set sampling.stop "none"') is Status.OK
+    assert h.shell.settings.sampling.stop == ("none",)
