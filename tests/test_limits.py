@@ -1,17 +1,20 @@
 """Limits and odd input at the edges: each is one clear line, and changes nothing."""
 
+import copy
 import io
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvchat.chunks.template import ChatFormat
 from kvchat.cli.app import make_app
 from kvchat.cli.runner import Status
 from kvchat.cli.script import read_commands
 from kvchat.errors import ConfigError
 from kvchat.session import check_kv_memory
 from tests.fake_context import FakeContextManager, isolated_user_dirs, make_harness  # noqa: F401
+from tests.hf_tokenizers import load_smollm2_tokenizer
 
 
 @pytest.mark.parametrize(
@@ -78,3 +81,12 @@ def test_set_none_clears_the_stop_list():
     assert h.shell.settings.sampling.stop == ()
     assert h.run('/set sampling.stop "none"') is Status.OK
     assert h.shell.settings.sampling.stop == ("none",)
+
+
+def test_a_text_longer_than_the_model_window_is_tokenized_without_a_warning(capfd):
+    tokenizer = copy.deepcopy(load_smollm2_tokenizer())  # the shared one is never mutated
+    tokenizer.model_max_length = 50
+    ids = ChatFormat(tokenizer).segment_ids("user", "word " * 200)
+    assert len(ids) > 200
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
