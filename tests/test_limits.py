@@ -90,3 +90,18 @@ def test_a_text_longer_than_the_model_window_is_tokenized_without_a_warning(capf
     assert len(ids) > 200
     out, err = capfd.readouterr()
     assert (out, err) == ("", "")
+
+
+def test_ctrl_c_during_verify_or_attention_says_it_was_cancelled(monkeypatch):
+    from kvchat.chunks import attention
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    h = make_harness()
+    monkeypatch.setattr(h.ctx, "verify", interrupted)
+    monkeypatch.setattr(attention, "attention_map", interrupted)
+    for line, message in (("/verify", "/verify cancelled"), ("/attention", "/attention cancelled")):
+        assert h.run(line) is Status.FAILED
+        out = h.take()
+        assert out.count("\n") == 1 and message in out

@@ -313,7 +313,7 @@ class Shell:
           tokens          reused, repositioned and computed prompt tokens in the reuse mode
         Fewer than N positions are compared when the full recompute's answer ends sooner.
         """
-        return self.ctx.verify(count(arg) if arg else self.settings.reuse.verify_tokens)
+        return cache_commands.verify(self.ctx, count(arg) if arg else self.settings.reuse.verify_tokens)
 
     @command("save", "Save chunks, outputs and their KV to FILE", usage="FILE", arg=ArgKind.PATH)
     def save(self, arg: str) -> Notice:
