@@ -203,6 +203,9 @@ class FakeContextManager:
     def outputs(self) -> list[ChunkInfo]:
         return [self._info(chunk_id) for chunk_id in self._outputs.values()]
 
+    def is_chat_answer(self, number: int) -> bool:
+        return False
+
     def delete_output(self, number: int) -> ChunkInfo:
         if number not in self._outputs:
             raise ChunkError(f"no output {number}")

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from kvchat.chunks import save_target
 from kvchat.engine.sampling import SamplingParams
-from kvchat.errors import StateFileError
+from kvchat.errors import ChunkError, StateFileError
 from tests.test_context import drain, make_manager, model  # noqa: F401  (module fixture)
 
 
@@ -175,3 +175,17 @@ def test_reset_holds_no_block_and_keeps_exact_kv_for_reuse(saved):
     cm.set_query("hello there")
     again = drain(cm.infer(SamplingParams(max_tokens=2)))
     assert again.reused_tokens > 0 and again.token_ids == first.token_ids
+
+
+def test_a_chat_answer_is_not_used_twice_and_is_deleted_with_its_question(model):  # noqa: F811
+    cm = make_manager(model)
+    drain(cm.chat("hello there", SamplingParams(max_tokens=2)))
+    drain(cm.chat("and again", SamplingParams(max_tokens=2)))
+    with pytest.raises(ChunkError, match="answer of the conversation"):
+        cm.use_output(1)
+    first_question = cm.turns[0]
+    cm.delete_output(1)
+    assert [cm.registry.chunks[i].role.value for i in cm.turns] == ["user", "output"]
+    assert first_question not in cm.registry.chunks
+    drain(cm.chat("once more", SamplingParams(max_tokens=2)))
+    assert [cm.registry.chunks[i].role.value for i in cm.turns] == ["user", "output"] * 2

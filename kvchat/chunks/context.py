@@ -103,6 +103,8 @@ class ContextManager:
 
     def use_output(self, number: int) -> ChunkInfo:
         chunk = self.registry.output(number)
+        if self.is_chat_answer(number):
+            raise ChunkError(f"output {number} is an answer of the conversation, in the context already")
         if chunk.chunk_id not in self.middle:
             self.middle.append(chunk.chunk_id)
         return self.info(chunk.chunk_id)
@@ -129,9 +131,18 @@ class ContextManager:
         self.registry = ChunkRegistry()
         self.engine.blocks.reset_stats()
 
+    def is_chat_answer(self, number: int) -> bool:
+        """Whether output `number` is a turn of the conversation (a /chat answer)."""
+        return self.registry.output(number).chunk_id in self.turns
+
     def delete_output(self, number: int) -> ChunkInfo:
         chunk = self.registry.output(number)
         info = self.info(chunk.chunk_id)
+        place = self.turns.index(chunk.chunk_id) if self.is_chat_answer(number) else 0
+        question = self.registry.chunks[self.turns[place - 1]] if place else None
+        if question is not None and question.role is Role.USER:  # it goes too: turns stay in pairs
+            self._remove_from_context(question.chunk_id)
+            self._delete(question)
         self._remove_from_context(chunk.chunk_id)
         self._delete(chunk)
         return info

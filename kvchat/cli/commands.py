@@ -122,14 +122,19 @@ class Shell:
     @command("use-output", "Add retained output N to the context", usage="N", arg=ArgKind.OUTPUT)
     def use_output(self, arg: str) -> ChunkChange:
         """Places retained output N in the context after the context chunks, as a passage the next
-        inference reads. Its KV is reused as the reuse mode allows.
+        inference reads. Its KV is reused as the reuse mode allows. A chat answer is refused: it is in
+        the conversation already.
         """
         return ChunkChange("added output", self.ctx.use_output(count(arg)))
 
     @command("delete-output", "Delete retained output N", usage="N", arg=ArgKind.OUTPUT)
     def delete_output(self, arg: str) -> ChunkChange:
-        """Removes retained output N from the context and the chunk list, and releases its pinned KV."""
-        return ChunkChange("deleted output", self.ctx.delete_output(count(arg)))
+        """Removes retained output N from the context and the chunk list, and releases its pinned KV.
+        A chat answer goes with the user turn it answered, so the conversation keeps its pairs."""
+        number = count(arg)
+        paired = self.ctx.is_chat_answer(number)
+        action = "deleted output and the user turn it answered" if paired else "deleted output"
+        return ChunkChange(action, self.ctx.delete_output(number))
 
     @command("chunks", "List every chunk: role, id, tokens, blocks, references, place")
     def chunks(self, arg: str) -> ChunkList:
