@@ -28,7 +28,7 @@ from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
 from kvchat.engine.speculate import Speculation
-from kvchat.errors import CacheFullError, ChunkError, StateFileError
+from kvchat.errors import CacheFullError, ChunkError
 from kvchat.interrupts import interrupts_ignored
 from kvchat.models.device import describe_runtime
 
@@ -323,11 +323,6 @@ class ContextManager:
         file is checked and its KV staged beside the session before one swap: a file refused, too big
         or interrupted changes nothing."""
         saved = persist.read(self.engine, self._layout(), Path(path))
-        if saved.num_blocks > self.engine.blocks.num_free:
-            raise StateFileError(
-                f"{path}: needs {saved.num_blocks} KV blocks beside this session's, "
-                f"{self.engine.blocks.num_free} free: /reset first or raise --kv-memory"
-            )
         live, chunks = persist.stage(self.engine, saved)
         committed = False
         try:

@@ -39,6 +39,7 @@ class Context:
 class SavedState:
     """A state file read and checked, not yet applied to anything."""
 
+    path: Path
     meta: SaveMeta
     tensors: dict[str, torch.Tensor]
     num_blocks: int  # KV blocks restoring it takes
@@ -125,7 +126,8 @@ def read(engine: Engine, layout: dict, path: Path) -> SavedState:
                 f"{path}: made for {key}={have!r} (model {meta.layout.model_id!r}), "
                 f"this session has {key}={want!r}"
             )
-    return SavedState(meta, tensors, _check_tensors(engine, meta, tensors, path))
+    num_blocks = _check_tensors(engine, meta, tensors, path)
+    return SavedState(path, meta, {k: t.to(engine.device) for k, t in tensors.items()}, num_blocks)
 
 
 def _read_file(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
@@ -186,9 +188,15 @@ def _check_tensors(engine: Engine, meta: SaveMeta, tensors: dict[str, torch.Tens
 
 
 def stage(engine: Engine, saved: SavedState) -> tuple[Sequence | None, list[Chunk]]:
-    """Write a checked state's KV into free blocks beside what the session holds: the live sequence
-    (owned by the caller, not yet indexed: `engine.index` it once committed) and the chunks with their
-    spans. On any failure or interrupt, every block it took is given back."""
+    """Write a checked state's KV into free blocks beside what the session holds (refused when too
+    few are free): the live sequence (owned by the caller, not yet indexed: `engine.index` it once
+    committed) and the chunks with their spans. On any failure or interrupt, every block it took is
+    given back."""
+    if saved.num_blocks > engine.blocks.num_free:
+        raise StateFileError(
+            f"{saved.path}: needs {saved.num_blocks} KV blocks beside this session's, "
+            f"{engine.blocks.num_free} free: /reset first or raise --kv-memory"
+        )
     meta, tensors = saved.meta, saved.tensors
     live: Sequence | None = None
     chunks: list[Chunk] = []
