@@ -189,3 +189,18 @@ def test_a_chat_answer_is_not_used_twice_and_is_deleted_with_its_question(model)
     assert first_question not in cm.registry.chunks
     drain(cm.chat("once more", SamplingParams(max_tokens=2)))
     assert [cm.registry.chunks[i].role.value for i in cm.turns] == ["user", "output"] * 2
+
+
+@pytest.mark.parametrize("finish_reason", ["stop", "stop_string", "length", "cancelled", None])
+def test_every_way_an_output_ends_loads(saved, model, finish_reason):  # noqa: F811
+    _, path = saved
+
+    def end_outputs(meta):
+        for record in meta["chunks"]:
+            if record["role"] == "output":
+                record["finish_reason"] = finish_reason
+
+    rewrite_meta(path, end_outputs)
+    fresh = make_manager(model)
+    fresh.load(path)
+    assert [o.finish_reason for o in fresh.outputs()] == [finish_reason]

@@ -90,7 +90,7 @@ class ChunkRecord(_Record):
     had_think: bool
     source_ids: list[str]
     is_default: bool
-    finish_reason: Literal["stop", "length", "cancelled"] | None = None
+    finish_reason: Literal["stop", "stop_string", "length", "cancelled"] | None = None
     span: SpanRecord | None = None
 
     _token_ids = field_validator("token_ids")(_check_token_ids)
