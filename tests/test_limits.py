@@ -105,3 +105,21 @@ def test_ctrl_c_during_verify_or_attention_says_it_was_cancelled(monkeypatch):
         assert h.run(line) is Status.FAILED
         out = h.take()
         assert out.count("\n") == 1 and message in out
+
+
+def test_ctrl_c_during_save_or_load_says_nothing_changed(monkeypatch, tmp_path):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    h = make_harness()
+    h.run("/context Known text.")
+    h.run(f"/save {tmp_path / 's.kv'}")
+    h.take()
+    before = h.ctx.state()
+    monkeypatch.setattr(h.ctx, "save", interrupted)
+    monkeypatch.setattr(h.ctx, "load", interrupted)
+    for line, message in (("/save", "is as it was"), ("/load", "the session is as it was")):
+        assert h.run(f"{line} {tmp_path / 's.kv'}") is Status.FAILED
+        out = h.take()
+        assert out.count("\n") == 1 and f"{line} cancelled" in out and message in out
+    assert h.ctx.state() == before

@@ -20,12 +20,12 @@ DEFAULT_MODES = (ReuseMode.EXACT, ReuseMode.REPOSITION, ReuseMode.REPAIR)
 
 
 @contextmanager
-def cancellable(command: str) -> Iterator[None]:
-    """Ctrl-C during a view that runs the model ends it with one line saying so, as /compare does."""
+def cancellable(command: str, outcome: str = "") -> Iterator[None]:
+    """Ctrl-C during a long command ends it with one line saying so (and `outcome`), as /compare does."""
     try:
         yield
     except KeyboardInterrupt:
-        raise CommandError(f"/{command} cancelled") from None
+        raise CommandError(f"/{command} cancelled{outcome}") from None
 
 
 def attention(ctx: ContextManager, output_number: int | None) -> AttentionReport:

@@ -326,20 +326,23 @@ class Shell:
         (atomically: a failed save leaves the old file). The file records the model and KV layout.
         """
         path = user_path(arg)
-        num_chunks = self.ctx.save(path)
+        with cache_commands.cancellable("save", f"; {path} is as it was"):
+            num_chunks = self.ctx.save(path)
         return Notice(f"saved {num_chunks} chunks to {path}", {"path": str(path), "num_chunks": num_chunks})
 
     @command("load", "Load chunks, outputs and their KV from FILE", usage="FILE", arg=ArgKind.PATH)
     def load(self, arg: str) -> Notice:
         """Replaces the session's chunks, outputs, context and KV with those saved in FILE. A file made
-        for another model, dtype or block size, or a damaged one, is refused and the session is kept.
+        for another model, dtype or block size, or a damaged one, is refused and the session is kept
+        (the first fault is named); so is a load stopped with Ctrl-C.
         """
         path = user_path(arg)
         if path.is_dir():
             raise CommandError(f"{path} is a directory, not a state file")
         if not path.exists():
             raise CommandError(f"no such file: {path}")
-        num_chunks = self.ctx.load(path)
+        with cache_commands.cancellable("load", "; the session is as it was"):
+            num_chunks = self.ctx.load(path)
         return Notice(
             f"loaded {num_chunks} chunks from {path}", {"path": str(path), "num_chunks": num_chunks}
         )
