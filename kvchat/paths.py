@@ -17,4 +17,4 @@ def user_path(text: str) -> Path:
         return Path(text).expanduser()
     except RuntimeError:
         user = text.split("/", 1)[0]
-        raise PathError(f"{text}: there is no user {user[1:]!r} whose home {user} could name") from None
+        raise PathError(f"{text}: no such user {user[1:]!r}") from None

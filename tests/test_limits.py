@@ -20,9 +20,9 @@ from tests.hf_tokenizers import load_smollm2_tokenizer
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("/context @~nosuchuser/notes.txt", "there is no user 'nosuchuser'"),
-        ("/save ~nosuchuser/s.kv", "there is no user 'nosuchuser'"),
-        ("/load ~nosuchuser/s.kv", "there is no user 'nosuchuser'"),
+        ("/context @~nosuchuser/notes.txt", "no such user 'nosuchuser'"),
+        ("/save ~nosuchuser/s.kv", "no such user 'nosuchuser'"),
+        ("/load ~nosuchuser/s.kv", "no such user 'nosuchuser'"),
         ("/context @notes\0.txt", "a path cannot hold a NUL byte"),
         ("/save s\0.kv", "a path cannot hold a NUL byte"),
         ("/load s\0.kv", "a path cannot hold a NUL byte"),
