@@ -204,3 +204,15 @@ def test_every_way_an_output_ends_loads(saved, model, finish_reason):  # noqa: F
     fresh = make_manager(model)
     fresh.load(path)
     assert [o.finish_reason for o in fresh.outputs()] == [finish_reason]
+
+
+def test_a_file_of_another_model_says_so_before_any_schema_fault(saved, model):  # noqa: F811
+    _, path = saved
+
+    def other_model(meta):
+        meta["layout"]["fingerprint"] = "other-1"
+        meta["live"]["token_ids"][0] = 10**6  # in that model's vocabulary, not in this one's
+
+    rewrite_meta(path, other_model)
+    with pytest.raises(StateFileError, match="made for fingerprint='other-1'"):
+        make_manager(model).load(path)

@@ -78,6 +78,7 @@ def save(
 ) -> int:
     """Write the chunks and their KV to `path` atomically; returns the number of chunks saved."""
     tensors, records = {}, []
+    n = live.num_computed if live is not None else 0
     if live is not None:
         tensors["live.keys"], tensors["live.values"] = engine.read_kv(live, 0, live.num_computed)
     for chunk in chunks:
@@ -103,9 +104,8 @@ def save(
         "chunks": records,
         "context": {"system": context.system, "middle": context.middle, "turns": context.turns,
                     "query": context.query},
-        "live": None
-        if live is None
-        else {"token_ids": live.token_ids[: live.num_computed], "exact": live.exact_limit},
+        "live": None if live is None else {"token_ids": live.token_ids[:n],
+                                           "exact": min(live.exact_limit, n)},
     }  # fmt: skip
     save_target.write(path, tensors, {"kvchat": json.dumps(meta)}, is_state_meta)
     return len(records)
@@ -115,19 +115,25 @@ def read(engine: Engine, layout: dict, path: Path) -> SavedState:
     """Read a state file and check all of it (schema, layout, tensors) against this session; changes
     nothing. Anything wrong is one StateFileError naming the first fault."""
     text, tensors = _read_file(path)
+    _check_layout(json.loads(text).get("layout"), layout, path)  # before the schema: its fault says more
     try:
         meta = save_schema.parse_meta(text, _limits(engine))
     except save_schema.SchemaError as err:
         raise StateFileError(f"{path}: damaged kvchat state file ({err})") from None
-    for key, want in layout.items():
-        have = getattr(meta.layout, key)
-        if key != "model_id" and have != want:
-            raise StateFileError(
-                f"{path}: made for {key}={have!r} (model {meta.layout.model_id!r}), "
-                f"this session has {key}={want!r}"
-            )
     num_blocks = _check_tensors(engine, meta, tensors, path)
     return SavedState(path, meta, {k: t.to(engine.device) for k, t in tensors.items()}, num_blocks)
+
+
+def _check_layout(have: object, want: dict, path: Path) -> None:
+    """Refuse a file made for another model or KV layout (what it lacks, the schema names)."""
+    if not isinstance(have, dict):
+        return
+    for key, value in want.items():
+        if key != "model_id" and key in have and have[key] != value:
+            raise StateFileError(
+                f"{path}: made for {key}={have[key]!r} (model {have.get('model_id')!r}), "
+                f"this session has {key}={value!r}"
+            )
 
 
 def _read_file(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
