@@ -203,8 +203,11 @@ def _parse_text(text: str, info: SettingInfo) -> object:
             return float(text)
         if value_type is str:
             return tomllib.loads(f"v = {text}")["v"] if text.startswith('"') else text
-        if value_type is not bool:  # a list of strings: a TOML array, or one string
-            return tomllib.loads(f"v = {text}")["v"] if text.startswith("[") else ([text] if text else [])
+        if value_type is not bool:  # a list of strings: a TOML array or string, `none` (empty), one word
+            if text.startswith(("[", '"')):
+                parsed = tomllib.loads(f"v = {text}")["v"]
+                return [parsed] if isinstance(parsed, str) else parsed
+            return [] if text.lower() == "none" else ([text] if text else [])
     except (ValueError, tomllib.TOMLDecodeError):
         pass
     return text

@@ -31,3 +31,7 @@ class CommandError(KvchatError):
 
 class DraftModelError(KvchatError):
     """A draft model cannot draft for the main model (another vocabulary) or is missing."""
+
+
+class PathError(KvchatError):
+    """A path cannot name a file (a NUL byte in it, a ~user who does not exist)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+import torch
+
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
@@ -13,7 +15,8 @@ from kvchat.config import CacheSettings, DecodeSettings, ReuseSettings, Settings
 from kvchat.engine.engine import Engine, kv_shape
 from kvchat.engine.kv_pool import KVPool
 from kvchat.engine.speculate import Speculation
-from kvchat.errors import DraftModelError
+from kvchat.errors import ConfigError, DraftModelError
+from kvchat.models.device import available_memory_bytes
 from kvchat.models.loader import LoadedModel, load_model
 from kvchat.models.progress import ProgressCallback
 
@@ -58,9 +61,15 @@ def apply_live_settings(ctx: LiveSettable, settings: Settings) -> None:
 
 
 def make_engine(loaded: LoadedModel, settings: Settings) -> Engine:
+    cache = settings.cache
+    budget = kv_memory_bytes(loaded, cache)
+    asked = (
+        f"--kv-memory {cache.kv_memory_mb} MiB" if cache.ctx_size is None else f"--ctx-size {cache.ctx_size}"
+    )
+    check_kv_memory(budget, asked, next(loaded.model.parameters()).device)
     return Engine(
         loaded.model,
-        kv_memory_bytes=kv_memory_bytes(loaded, settings.cache),
+        kv_memory_bytes=budget,
         block_size=settings.cache.block_size,
         prefill_chunk=settings.cache.prefill_chunk,
     )
@@ -73,6 +82,18 @@ def kv_memory_bytes(loaded: LoadedModel, cache: CacheSettings) -> int:
     num_layers, num_kv_heads, head_dim = kv_shape(loaded.model.config)
     per_block = KVPool.bytes_per_block(num_layers, cache.block_size, num_kv_heads, head_dim, loaded.dtype)
     return -(-cache.ctx_size // cache.block_size) * per_block
+
+
+def check_kv_memory(num_bytes: int, asked: str, device: torch.device) -> None:
+    """Refuse a KV budget (`asked`, as the user gave it) the machine cannot hold: the pool would grow
+    until the kernel killed kvchat."""
+    available = available_memory_bytes(device)
+    if num_bytes > available:
+        where = "GPU memory" if device.type == "cuda" else "memory"
+        raise ConfigError(
+            f"{asked} needs {num_bytes >> 20} MiB of KV cache, more than the {available >> 20} MiB of "
+            f"{where} available now; lower it"
+        )
 
 
 def check_draft_vocabulary(main: LoadedModel, draft: LoadedModel) -> None:

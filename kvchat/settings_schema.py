@@ -189,7 +189,9 @@ SAMPLING_SPECS: dict[str, Spec] = {
         example=0,
     ),
     "stop": Spec(
-        "Strings that end an answer.", live=True, detail="The model's own end-of-turn tokens always do."
+        "Strings that end an answer (`none` clears them).",
+        live=True,
+        detail="The model's own end-of-turn tokens always do.",
     ),
 }
 

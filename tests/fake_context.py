@@ -187,6 +187,9 @@ class FakeContextManager(ContextManagerContract):
     def outputs(self) -> list[ChunkInfo]:
         return [self._info(chunk_id) for chunk_id in self._outputs.values()]
 
+    def is_chat_answer(self, number: int) -> bool:
+        return False
+
     def delete_output(self, number: int) -> ChunkInfo:
         if number not in self._outputs:
             raise ChunkError(f"no output {number}")

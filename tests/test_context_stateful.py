@@ -201,6 +201,8 @@ class ContextMachine(RuleBasedStateMachine):
     def use_or_delete_output(self, data):
         number = data.draw(st.sampled_from([o.output_number for o in self.cm.outputs()]))
         if data.draw(st.booleans()):
+            if self.cm.is_chat_answer(number):  # refused: it is in the conversation already
+                return
             self.cm.use_output(number)
         else:
             self.cm.delete_output(number)

@@ -74,7 +74,9 @@ def test_ctx_size_gives_at_least_that_many_tokens_in_whole_blocks(model):
     loaded = types.SimpleNamespace(model=model, dtype=torch.float32)
     for ctx_size in (1, 100, 1000):
         cache = CacheSettings(ctx_size=ctx_size, block_size=16)
-        engine = Engine(model, kv_memory_bytes=kv_memory_bytes(loaded, cache), block_size=16, prefill_chunk=512)
+        engine = Engine(
+            model, kv_memory_bytes=kv_memory_bytes(loaded, cache), block_size=16, prefill_chunk=512
+        )
         num_tokens = engine.blocks.num_blocks * 16
         assert ctx_size <= num_tokens < ctx_size + 16
     assert kv_memory_bytes(loaded, CacheSettings(kv_memory_mb=3)) == 3 << 20  # unset: MiB decide

@@ -32,7 +32,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import Sequence
 from kvchat.engine.speculate import NO_SPECULATION, Speculation
-from kvchat.errors import CacheFullError, ChunkError, StateFileError
+from kvchat.errors import CacheFullError, ChunkError
 from kvchat.interrupts import interrupts_ignored
 from kvchat.models.device import describe_runtime
 from kvchat.models.info import ModelInfo, model_info
@@ -106,6 +106,8 @@ class ContextManager:
 
     def use_output(self, number: int) -> ChunkInfo:
         chunk = self.registry.output(number)
+        if self.is_chat_answer(number):
+            raise ChunkError(f"output {number} is an answer of the conversation, in the context already")
         if chunk.chunk_id not in self.middle:
             self.middle.append(chunk.chunk_id)
         return self.info(chunk.chunk_id)
@@ -132,9 +134,18 @@ class ContextManager:
         self.registry = ChunkRegistry()
         self.engine.blocks.reset_stats()
 
+    def is_chat_answer(self, number: int) -> bool:
+        """Whether output `number` is a turn of the conversation (a /chat answer)."""
+        return self.registry.output(number).chunk_id in self.turns
+
     def delete_output(self, number: int) -> ChunkInfo:
         chunk = self.registry.output(number)
         info = self.info(chunk.chunk_id)
+        place = self.turns.index(chunk.chunk_id) if self.is_chat_answer(number) else 0
+        question = self.registry.chunks[self.turns[place - 1]] if place else None
+        if question is not None and question.role is Role.USER:  # it goes too: turns stay in pairs
+            self._remove_from_context(question.chunk_id)
+            self._delete(question)
         self._remove_from_context(chunk.chunk_id)
         self._delete(chunk)
         return info
@@ -173,11 +184,12 @@ class ContextManager:
         chat answer's user turn stays and is answered again."""
         ids = [c.chunk_id for c in self.context_chunks(with_query=False)]
         last, turn = answer_to_retry(self.registry, ids, self.query, self.turns)
-        assert last.output_number is not None
-        self.delete_output(last.output_number)
+        if turn is not None:
+            self.turns.remove(turn.chunk_id)  # it rejoins together with its new answer
+        self._remove_from_context(last.chunk_id)
+        self._delete(last)
         if turn is None:
             return self._run(self.context_chunks(), params)
-        self.turns.remove(turn.chunk_id)  # it rejoins together with its new answer
         return self._run(self.context_chunks(with_query=False) + [turn], params, turn=turn)
 
     def infer_blocking(self, params: SamplingParams) -> InferenceResult:
@@ -324,28 +336,24 @@ class ContextManager:
         )
 
     def load(self, path: Path) -> int:
-        """Replace the session with the one saved in `path`; returns the number of chunks. A file that
-        is unreadable, made for another model or too big for the cache changes nothing."""
+        """Replace the session with the one saved in `path`; returns the number of chunks. The whole
+        file is checked and its KV staged beside the session before one swap: a file refused, too big
+        or interrupted changes nothing."""
         saved = persist.read(self.engine, self._layout(), Path(path))
-        held = self.held_blocks()  # what a reset frees: blocks no one else references
-        available = self.engine.blocks.num_free + sum(
-            1 for b, n in held.items() if self.engine.blocks.blocks[b].ref_count == n
-        )
-        if saved.num_blocks > available:
-            raise StateFileError(
-                f"{path}: needs {saved.num_blocks} KV blocks, {available} free: raise --kv-memory"
-            )
-        self.reset()
-        live, chunks = persist.restore(self.engine, saved)
-        self.registry.restore(chunks)
-        self.live = live
-        ctx = saved.context
-        self.system, self.middle, self.turns, self.query = (
-            ctx.system,
-            list(ctx.middle),
-            list(ctx.turns),
-            ctx.query,
-        )
+        live, chunks = persist.stage(self.engine, saved)
+        committed = False
+        try:
+            with interrupts_ignored():  # the swap is bookkeeping over ints: once begun, it runs to the end
+                self.reset()
+                self.registry.restore(chunks)
+                self.live, committed = live, True
+                c = saved.context
+                self.system, self.middle, self.turns, self.query = c.system, c.middle, c.turns, c.query
+                if live is not None:
+                    self.engine.index(live)
+        finally:
+            if not committed:
+                persist.unstage(self.engine, live, chunks)
         return len(chunks)
 
     def _layout(self) -> dict[str, object]:

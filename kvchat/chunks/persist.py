@@ -1,30 +1,27 @@
 """Saving and loading the chunk set with its KV: one safetensors file that describes itself.
 
 The file holds the live sequence's KV (so the next inference over the same context recomputes none
-of it) and the KV of every other kept chunk, with the model fingerprint, dtype and shapes; a file
-made for another model or layout is refused before anything in the session changes.
+of it) and the KV of every other kept chunk, with the model fingerprint, dtype and shapes. A file is
+untrusted input: `read` checks all of it (save_schema's declared metadata, then every tensor) before
+`stage` writes any KV, and the caller swaps the staged state in.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
+from kvchat.chunks import save_schema, save_target
 from kvchat.chunks.chunk import Chunk, KVSpan
-from kvchat.chunks.types import Role
+from kvchat.chunks.save_schema import ChunkRecord, SaveMeta, SpanRecord
 from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import Sequence
 from kvchat.errors import StateFileError
-
-FORMAT = "kvchat-state/1"
 
 
 @dataclass(frozen=True)
@@ -41,10 +38,15 @@ class Context:
 class SavedState:
     """A state file read and checked, not yet applied to anything."""
 
-    meta: dict
+    path: Path
+    meta: SaveMeta
     tensors: dict[str, torch.Tensor]
-    context: Context
     num_blocks: int  # KV blocks restoring it takes
+
+    @property
+    def context(self) -> Context:
+        c = self.meta.context
+        return Context(c.system, list(c.middle), list(c.turns), c.query)
 
 
 def layout(engine: Engine, model_id: str, fingerprint: str) -> dict[str, object]:
@@ -75,6 +77,7 @@ def save(
 ) -> int:
     """Write the chunks and their KV to `path` atomically; returns the number of chunks saved."""
     tensors, records = {}, []
+    n = live.num_computed if live is not None else 0
     if live is not None:
         tensors["live.keys"], tensors["live.values"] = engine.read_kv(live, 0, live.num_computed)
     for chunk in chunks:
@@ -95,169 +98,162 @@ def save(
                 )
         records.append(record)
     meta = {
-        "format": FORMAT,
+        "format": save_schema.FORMAT,
         "layout": layout,
         "chunks": records,
         "context": {"system": context.system, "middle": context.middle, "turns": context.turns,
                     "query": context.query},
-        "live": None
-        if live is None
-        else {"token_ids": live.token_ids[: live.num_computed], "exact": live.exact_limit},
+        "live": None if live is None else {"token_ids": live.token_ids[:n],
+                                           "exact": min(live.exact_limit, n)},
     }  # fmt: skip
-    _write(path, tensors, meta)
+    save_target.write(path, tensors, {"kvchat": json.dumps(meta)}, is_state_meta)
     return len(records)
 
 
-def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    """Write atomically; a path that cannot take the file is one StateFileError naming why."""
-    if path.is_dir():
-        raise StateFileError(f"cannot save to {path}: it is a directory")
-    blocker = next((p for p in path.parents if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise StateFileError(f"cannot save to {path}: {blocker} is a file, not a directory")
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"kvchat": json.dumps(meta)})
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as err:
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise StateFileError(f"cannot save to {path}: {reason}") from None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def read(engine: Engine, layout: dict, path: Path) -> SavedState:
-    """Read and check a state file against this session's layout; changes nothing."""
+    """Read a state file and check all of it (schema, layout, tensors) against this session; changes
+    nothing. Anything wrong is one StateFileError naming the first fault."""
+    text, tensors = _read_file(path)
+    _check_layout(json.loads(text).get("layout"), layout, path)  # before the schema: its fault says more
     try:
+        meta = save_schema.parse_meta(text, _limits(engine))
+    except save_schema.SchemaError as err:
+        raise StateFileError(f"{path}: damaged kvchat state file ({err})") from None
+    num_blocks = _check_tensors(engine, meta, tensors, path)
+    return SavedState(path, meta, {k: t.to(engine.device) for k, t in tensors.items()}, num_blocks)
+
+
+def _check_layout(have: object, want: dict, path: Path) -> None:
+    """Refuse a file made for another model or KV layout (what it lacks, the schema names)."""
+    if not isinstance(have, dict):
+        return
+    for key, value in want.items():
+        if key != "model_id" and key in have and have[key] != value:
+            raise StateFileError(
+                f"{path}: made for {key}={have[key]!r} (model {have.get('model_id')!r}), "
+                f"this session has {key}={value!r}"
+            )
+
+
+def _read_file(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    """The metadata text and the tensors of a file that claims to be a kvchat state file."""
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise StateFileError(f"{path}: not a regular file")
         with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("kvchat", "null"))
+            text = (f.metadata() or {}).get("kvchat", "null")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except FileNotFoundError:
         raise StateFileError(f"{path}: no such file") from None
-    except (SafetensorError, OSError, ValueError, json.JSONDecodeError) as err:
-        raise StateFileError(f"{path}: not a readable kvchat state file ({err})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    except (SafetensorError, OSError, ValueError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+        raise StateFileError(f"{path}: not a readable kvchat state file ({reason})") from None
+    if not is_state_meta(text):
         raise StateFileError(f"{path}: not a kvchat state file")
-    _check_meta(meta, tuple(layout), path)
-    for key, want in layout.items():
-        if key != "model_id" and meta["layout"].get(key) != want:
-            raise StateFileError(
-                f"{path}: made for {key}={meta['layout'].get(key)!r} "
-                f"(model {meta['layout'].get('model_id')!r}), this session has {key}={want!r}"
-            )
-    c = meta["context"]
-    context = Context(c["system"], list(c["middle"]), list(c["turns"]), c["query"])
-    return SavedState(meta, tensors, context, _check_shapes(engine, meta, tensors))
+    return text, tensors
 
 
-_KEYS = {
-    "context": ("system", "middle", "turns", "query"),
-    "live": ("token_ids", "exact"),
-    "chunk": tuple(
-        "chunk_id number role text token_ids output_number had_think source_ids is_default".split()
-    ),
-    "span": ("start_pos", "num_tokens", "exact", "pinned", "where"),
-}
+def is_state_meta(text: str) -> bool:
+    """Whether a safetensors file's "kvchat" metadata names this format (a kvchat save, sound or not)."""
+    try:
+        meta = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and meta.get("format") == save_schema.FORMAT
 
 
-def _check_meta(meta: dict, layout_keys: tuple[str, ...], path: Path) -> None:
-    """Refuse metadata that lacks what `load` reads, before anything reads it."""
-    if not isinstance(meta.get("chunks"), list) or "live" not in meta:
-        raise StateFileError(f"{path}: damaged kvchat state file (no chunk list or live sequence)")
-    parts: list[tuple[str, tuple[str, ...], Any]] = [
-        ("layout", layout_keys, meta.get("layout")),
-        ("context", _KEYS["context"], meta.get("context")),
-    ]
-    if meta["live"] is not None:
-        parts.append(("live", _KEYS["live"], meta["live"]))
-    for record in meta["chunks"]:
-        parts.append(("chunk", _KEYS["chunk"], record))
-        if isinstance(record, dict) and record.get("span") is not None:
-            parts.append(("span", _KEYS["span"], record["span"]))
-    for what, keys, part in parts:
-        missing = [k for k in keys if not isinstance(part, dict) or k not in part]
-        if missing:
-            raise StateFileError(f"{path}: damaged kvchat state file ({what} lacks {', '.join(missing)})")
-        if what == "chunk" and part["role"] not in {r.value for r in Role}:
-            raise StateFileError(f"{path}: damaged kvchat state file (unknown role {part['role']!r})")
+def _limits(engine: Engine) -> save_schema.Limits:
+    return save_schema.Limits(engine.model.config.vocab_size, engine.max_positions)
 
 
-def _check_shapes(engine: Engine, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
-    """The KV blocks the file's tensors take, once checked against the engine's shapes."""
-    e = engine
-    need = 0
-    expected: dict[str, int] = {}
-    if meta["live"] is not None:
-        expected["live"] = len(meta["live"]["token_ids"])
-    for record in meta["chunks"]:
-        span = record.get("span")
-        if span and span["where"] == "own":
-            expected[f"span.{record['chunk_id']}"] = span["num_tokens"]
-    for name, num_tokens in expected.items():
-        for part in ("keys", "values"):
-            t = tensors.get(f"{name}.{part}")
-            if t is None or tuple(t.shape) != (e.num_layers, num_tokens, e.num_kv_heads, e.head_dim):
-                raise StateFileError(
-                    f"state file is truncated or damaged: {name}.{part} is missing or misshapen"
-                )
-        need += -(-num_tokens // e.block_size)
-    return need
+def _check_tensors(engine: Engine, meta: SaveMeta, tensors: dict[str, torch.Tensor], path: Path) -> int:
+    """The KV blocks the file's tensors take, once each is checked: named by the metadata, of the
+    engine's shape and dtype, every value finite."""
+    expected = {"live": len(meta.live.token_ids)} if meta.live is not None else {}
+    for record in meta.chunks:
+        if record.span is not None and record.span.where == "own":
+            expected[f"span.{record.chunk_id}"] = record.span.num_tokens
+    names = {f"{name}.{part}": n for name, n in expected.items() for part in ("keys", "values")}
+    unknown = sorted(set(tensors) - set(names))
+    if unknown:
+        raise StateFileError(f"{path}: damaged kvchat state file (tensor {unknown[0]} belongs to nothing)")
+    for name, num_tokens in names.items():
+        t = tensors.get(name)
+        shape = (engine.num_layers, num_tokens, engine.num_kv_heads, engine.head_dim)
+        fault = (
+            "is missing" if t is None
+            else f"has shape {tuple(t.shape)}, not {shape}" if tuple(t.shape) != shape
+            else f"has dtype {t.dtype}, not {engine.dtype}" if t.dtype != engine.dtype
+            else "holds a NaN or infinite value" if not bool(torch.isfinite(t).all())
+            else None
+        )  # fmt: skip
+        if fault is not None:
+            raise StateFileError(f"{path}: damaged kvchat state file (tensor {name} {fault})")
+    return sum(-(-n // engine.block_size) for n in expected.values())
 
 
-def restore(engine: Engine, saved: SavedState) -> tuple[Sequence | None, list[Chunk]]:
-    """Write a checked state's KV into the pool: the live sequence (owned by the caller) and the
-    chunks with their spans. On any failure, every block it took is given back."""
+def stage(engine: Engine, saved: SavedState) -> tuple[Sequence | None, list[Chunk]]:
+    """Write a checked state's KV into free blocks beside what the session holds (refused when too
+    few are free): the live sequence (owned by the caller, not yet indexed: `engine.index` it once
+    committed) and the chunks with their spans. On any failure or interrupt, every block it took is
+    given back."""
+    if saved.num_blocks > engine.blocks.num_free:
+        raise StateFileError(
+            f"{saved.path}: needs {saved.num_blocks} KV blocks beside this session's, "
+            f"{engine.blocks.num_free} free: /reset first or raise --kv-memory"
+        )
     meta, tensors = saved.meta, saved.tensors
     live: Sequence | None = None
     chunks: list[Chunk] = []
     try:
-        if meta["live"] is not None:
-            live = engine.start(meta["live"]["token_ids"], reuse=False)
-            exact, keys, values = meta["live"]["exact"], tensors["live.keys"], tensors["live.values"]
+        if meta.live is not None:
+            live = engine.start(list(meta.live.token_ids), reuse=False, index=False)
+            exact, keys, values = meta.live.exact, tensors["live.keys"], tensors["live.values"]
             engine.write_kv(live, 0, keys[:, :exact], values[:, :exact], exact=True)
             if exact < live.num_tokens:
                 engine.write_kv(live, exact, keys[:, exact:], values[:, exact:])
-        for record in meta["chunks"]:
+        for record in meta.chunks:
             chunk = _chunk_of(record)
             chunks.append(chunk)
-            if record.get("span") is not None:
-                chunk.span = _restore_span(engine, live, chunk, record["span"], tensors)
+            if record.span is not None:
+                chunk.span = _restore_span(engine, live, chunk, record.span, tensors)
     except BaseException:
-        for chunk in chunks:
-            if chunk.span is not None:
-                chunk.span.release(engine.blocks)
-        if live is not None:
-            engine.free(live)
+        unstage(engine, live, chunks)
         raise
     return live, chunks
 
 
-def _chunk_of(record: dict) -> Chunk:
+def unstage(engine: Engine, live: Sequence | None, chunks: list[Chunk]) -> None:
+    """Give back the blocks `stage` took."""
+    for chunk in chunks:
+        if chunk.span is not None:
+            chunk.span.release(engine.blocks)
+    if live is not None:
+        engine.free(live)
+
+
+def _chunk_of(record: ChunkRecord) -> Chunk:
     return Chunk(
-        record["chunk_id"], record["number"], Role(record["role"]), record["text"], record["token_ids"],
-        output_number=record["output_number"], had_think=record["had_think"],
-        source_ids=tuple(record["source_ids"]), is_default=record["is_default"],
-        finish_reason=record.get("finish_reason"),
+        record.chunk_id, record.number, record.role, record.text, list(record.token_ids),
+        output_number=record.output_number, had_think=record.had_think,
+        source_ids=tuple(record.source_ids), is_default=record.is_default,
+        finish_reason=record.finish_reason,
     )  # fmt: skip
 
 
 def _restore_span(
-    engine: Engine, live: Sequence | None, chunk: Chunk, span: dict, tensors: dict[str, torch.Tensor]
+    engine: Engine, live: Sequence | None, chunk: Chunk, span: SpanRecord, tensors: dict[str, torch.Tensor]
 ) -> KVSpan:
-    start, end = span["start_pos"], span["start_pos"] + span["num_tokens"]
-    if span["where"] == "live":
+    start, end = span.start_pos, span.end
+    if span.where == "live":
         assert live is not None, "a span in the live sequence of a file that has none"
-        return KVSpan.of(engine.blocks, live, start, end, span["exact"], span["pinned"])
-    seq = engine.start(chunk.token_ids, reuse=False)
+        return KVSpan.of(engine.blocks, live, start, end, span.exact, span.pinned)
+    seq = engine.start(chunk.token_ids, reuse=False, index=False)
     try:
         engine.write_kv(
             seq, 0, tensors[f"span.{chunk.chunk_id}.keys"], tensors[f"span.{chunk.chunk_id}.values"]
         )
-        own = KVSpan.of(engine.blocks, seq, 0, seq.num_tokens, span["exact"], span["pinned"])
+        own = KVSpan.of(engine.blocks, seq, 0, seq.num_tokens, span.exact, span.pinned)
     finally:
         engine.free(seq)
     return KVSpan(own.block_ids, own.generations, own.offset, own.num_tokens, start, own.exact, own.pinned)

@@ -142,7 +142,8 @@ class ChatFormat:
     def _encode(self, text: str) -> list[int]:
         # Special tokens written in the text (<|im_start|>) become their single ids; no BOS is
         # added, as apply_chat_template does: the template writes its BOS itself.
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        # verbose=False: no transformers warning about a long text; the caller refuses what cannot fit.
+        return list(self._tokenizer.encode(text, add_special_tokens=False, verbose=False))
 
     @staticmethod
     def _require(text: str | None, what: str) -> str:

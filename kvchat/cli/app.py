@@ -23,8 +23,9 @@ from kvchat.cli.repl import make_prompt_session, run_interactive
 from kvchat.cli.script import run_script
 from kvchat.cli.ui import UI
 from kvchat.config import Settings, load_settings
-from kvchat.errors import KvchatError, ModelLoadError
+from kvchat.errors import ConfigError, KvchatError, ModelLoadError, PathError
 from kvchat.models.sources import missing_path
+from kvchat.paths import user_path
 from kvchat.settings_schema import SettingInfo, all_settings
 
 if TYPE_CHECKING:
@@ -198,6 +199,7 @@ def session_main(
         settings = load_settings(flags.get("config"), flags=setting_flags(flags))
         ui = UI(color=settings.ui.color, json_lines=settings.ui.json, debug=settings.ui.debug)
         check_model_paths(settings)
+        _history_file(settings)  # a path that cannot name a file stops the start, in one line
         with ui.progress() as progress:
             shell = Shell(open_session(settings, progress), settings, flags.get("config"))
         shell.notify = ui.note
@@ -246,7 +248,10 @@ def _open_real_session(settings: Settings, progress: ProgressCallback | None) ->
 
 def _history_file(settings: Settings) -> Path | None:
     history = settings.ui.history_file
-    return Path(history).expanduser() if history else None
+    try:
+        return user_path(history) if history else None
+    except PathError as err:
+        raise ConfigError(f"ui.history_file: {err}") from None
 
 
 def _stdin_is_terminal() -> bool:

@@ -3,10 +3,11 @@ run the model are imported when a command runs, so that starting the CLI loads n
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from kvchat.chunks.reports import AttentionReport, Comparison
+from kvchat.chunks.reports import AttentionReport, Comparison, FidelityReport
 from kvchat.chunks.types import ChunkDetail, ReuseMode
 from kvchat.cli.results import ChunkHeat
 from kvchat.errors import CommandError
@@ -18,10 +19,25 @@ if TYPE_CHECKING:
 DEFAULT_MODES = (ReuseMode.EXACT, ReuseMode.REPOSITION, ReuseMode.REPAIR)
 
 
+@contextmanager
+def cancellable(command: str, outcome: str = "") -> Iterator[None]:
+    """Ctrl-C during a long command ends it with one line saying so (and `outcome`), as /compare does."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise CommandError(f"/{command} cancelled{outcome}") from None
+
+
 def attention(ctx: ContextManager, output_number: int | None) -> AttentionReport:
     from kvchat.chunks.attention import attention_map
 
-    return attention_map(ctx, output_number)
+    with cancellable("attention"):
+        return attention_map(ctx, output_number)
+
+
+def verify(ctx: ContextManager, num_tokens: int) -> FidelityReport:
+    with cancellable("verify"):
+        return ctx.verify(num_tokens)
 
 
 def compare(

@@ -37,6 +37,7 @@ from kvchat.cli.settings import (
 from kvchat.cli.slash_commands import ArgKind, Command, CommandRegistry, command
 from kvchat.config import replace_setting
 from kvchat.errors import CommandError
+from kvchat.paths import user_path
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
@@ -91,7 +92,7 @@ class Shell:
         after the system prompt, in the order added; adding the same text again does nothing.
         @FILE reads a UTF-8 text file of at most 16 MiB (a leading ~ is your home directory).
         """
-        text = read_text(Path(arg[1:]).expanduser()) if arg.startswith("@") else arg
+        text = read_text(user_path(arg[1:])) if arg.startswith("@") else arg
         return ChunkChange("added", self.ctx.add_context(text))
 
     @command("query", "Set the query that /infer answers", usage="TEXT", arg=ArgKind.TEXT)
@@ -135,14 +136,19 @@ class Shell:
     @command("use-output", "Add retained output N to the context", usage="N", arg=ArgKind.OUTPUT)
     def use_output(self, arg: str) -> ChunkChange:
         """Places retained output N in the context after the context chunks, as a passage the next
-        inference reads. Its KV is reused as the reuse mode allows.
+        inference reads. Its KV is reused as the reuse mode allows. A chat answer is refused: it is in
+        the conversation already.
         """
         return ChunkChange("added output", self.ctx.use_output(count(arg)))
 
     @command("delete-output", "Delete retained output N", usage="N", arg=ArgKind.OUTPUT, destructive=True)
     def delete_output(self, arg: str) -> ChunkChange:
-        """Removes retained output N from the context and the chunk list, and releases its pinned KV."""
-        return ChunkChange("deleted output", self.ctx.delete_output(count(arg)))
+        """Removes retained output N from the context and the chunk list, and releases its pinned KV.
+        A chat answer goes with the user turn it answered, so the conversation keeps its pairs."""
+        number = count(arg)
+        paired = self.ctx.is_chat_answer(number)
+        action = "deleted output and the user turn it answered" if paired else "deleted output"
+        return ChunkChange(action, self.ctx.delete_output(number))
 
     @command("chunks", "List every chunk: role, id, tokens, blocks, references, place")
     def chunks(self, arg: str) -> ChunkList:
@@ -200,13 +206,15 @@ class Shell:
         self.ctx.clear()
         return Notice("context cleared; chunks and outputs kept")
 
-    @command("reset", "Delete every chunk and output; free every block", destructive=True)
+    @command("reset", "Delete every chunk and output; no block stays held", destructive=True)
     def reset(self, arg: str) -> Notice:
-        """Deletes every chunk and retained output and frees every KV block; the hit counts of /stats
-        start again from zero. Settings are kept.
+        """Deletes every chunk and retained output and releases every KV block; the hit counts of /stats
+        start again from zero. Settings are kept. Blocks holding exact KV stay in the prefix cache until
+        reused: exact KV depends only on the tokens, so reusing it never changes an answer.
         """
         self.ctx.reset()
-        return Notice("everything deleted; every block is free")
+        cached = self.ctx.stats().num_cached
+        return Notice(f"everything deleted; no block is held ({cached} keep exact KV for reuse)")
 
     @command("stats", "KV cache blocks, bytes and hit rate")
     def stats(self, arg: str) -> CacheStats:
@@ -330,28 +338,31 @@ class Shell:
           tokens          reused, repositioned and computed prompt tokens in the reuse mode
         Fewer than N positions are compared when the full recompute's answer ends sooner.
         """
-        return self.ctx.verify(count(arg) if arg else self.settings.reuse.verify_tokens)
+        return cache_commands.verify(self.ctx, count(arg) if arg else self.settings.reuse.verify_tokens)
 
     @command("save", "Save chunks, outputs and their KV to FILE", usage="FILE", arg=ArgKind.PATH)
     def save(self, arg: str) -> Notice:
         """Writes every chunk and retained output with its KV, and the context, to one safetensors file
         (atomically: a failed save leaves the old file). The file records the model and KV layout.
         """
-        path = Path(arg).expanduser()
-        num_chunks = self.ctx.save(path)
+        path = user_path(arg)
+        with cache_commands.cancellable("save", f"; {path} is as it was"):
+            num_chunks = self.ctx.save(path)
         return Notice(f"saved {num_chunks} chunks to {path}", {"path": str(path), "num_chunks": num_chunks})
 
     @command("load", "Load chunks, outputs and their KV from FILE", usage="FILE", arg=ArgKind.PATH)
     def load(self, arg: str) -> Notice:
         """Replaces the session's chunks, outputs, context and KV with those saved in FILE. A file made
-        for another model, dtype or block size, or a damaged one, is refused and the session is kept.
+        for another model, dtype or block size, or a damaged one, is refused and the session is kept
+        (the first fault is named); so is a load stopped with Ctrl-C.
         """
-        path = Path(arg).expanduser()
+        path = user_path(arg)
         if path.is_dir():
             raise CommandError(f"{path} is a directory, not a state file")
-        if not path.is_file():
+        if not path.exists():
             raise CommandError(f"no such file: {path}")
-        num_chunks = self.ctx.load(path)
+        with cache_commands.cancellable("load", "; the session is as it was"):
+            num_chunks = self.ctx.load(path)
         return Notice(
             f"loaded {num_chunks} chunks from {path}", {"path": str(path), "num_chunks": num_chunks}
         )

@@ -17,7 +17,7 @@ The format:
   chat message. The opening line carries the command, so each command runs as soon as its last line
   is read: a program can drive kvchat through a pipe and read each answer before sending more.
 - A `>>>` line with no block open is an error (it is never sent as a chat message).
-- Lines are UTF-8 (a leading byte-order mark is ignored; CRLF endings are fine). A line that is not
+- Lines are UTF-8 (a byte-order mark starting a line is ignored; CRLF endings are fine). A line that is not
   valid UTF-8 or longer than 1 MiB is reported as a failed command, and so is a block holding one or
   left open at the end of input; reading goes on with the next line.
 """
@@ -107,7 +107,7 @@ def _decoded_lines(stream: BinaryIO) -> Iterator[tuple[int, str | None, str | No
             yield lineno, None, f"line longer than {MAX_LINE_BYTES >> 20} MiB"
             continue
         try:
-            text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            text = raw.decode("utf-8").removeprefix("\ufeff")  # a BOM starts each file joined with cat
         except UnicodeDecodeError as exc:
             yield lineno, None, f"invalid UTF-8 at byte {exc.start + 1} of the line"
             continue

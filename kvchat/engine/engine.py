@@ -138,6 +138,11 @@ class Engine:
             seq.num_recorded = first * bs
         self._record(seq)
 
+    def index(self, seq: Sequence) -> None:
+        """Declare a sequence started with `index=False` reusable from now on (a load, once committed)."""
+        seq.indexed = True
+        self._record(seq)
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks; their exact KV stays findable until evicted."""
         self.blocks.release(seq.block_table)

@@ -106,3 +106,17 @@ def _read_cpuinfo() -> str:
         return _CPUINFO.read_text()
     except OSError:
         return ""
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take now: free GPU memory, or the kernel's MemAvailable estimate."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
