@@ -95,6 +95,13 @@ class ModelSettings:
     threads: int = setting(
         0, "CPU threads for torch.", flag="--threads", range=Range(0), note="0 picks automatically"
     )
+    quantize: str = setting(
+        "none",
+        "Weight-only quantization of the linear layers: none, int8 (a scale per output channel) or int4 "
+        "(a scale and zero per 32 inputs); int4 keeps a GGUF's Q4_0/Q4_1 values as the file holds them.",
+        flag="--quantize",
+        choices=("none", "int8", "int4"),
+    )
     draft_model: str | None = setting(
         None,
         "A small model sharing the tokenizer that drafts tokens for decode.speculate = draft.",
