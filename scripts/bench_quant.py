@@ -3,6 +3,7 @@
     python scripts/bench_quant.py quality                       # packaged SmolLM2, ~400 tokens of prose
     python scripts/bench_quant.py speed --tokens 32 --repeats 5  # packaged SmolLM2
     python scripts/bench_quant.py speed --shape qwen2.5-3b --tokens 4 --repeats 3
+    python scripts/bench_quant.py kernels                       # Qwen2.5-3B's linear shapes, one token
 
 quality: every variant scores the same English text in one forward; the table gives the mean
 KL(fp32 unquantized || variant) of the next-token distribution per position, how often the top-1 token
@@ -32,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen
 from kvchat.models.gguf_quant import GGUFInt4Layers
 from kvchat.models.packaged import ensure_converted, packaged_gguf
 from kvchat.models.progress import quiet_transformers
-from kvchat.models.quantize import quantize_model
+from kvchat.models.quantize import Int4Linear, Int8Linear, quantize_model
 
 TEXT = RHINE + (
     " Further south, the river forms the border between Germany and France for almost two hundred "
@@ -147,12 +148,13 @@ def speed_model(shape: str) -> nn.Module:
 
 def speed(args: argparse.Namespace) -> None:
     base = speed_model(args.shape)
-    variants = {
+    head_bf16 = variant(base, "int4", head="none")
+    variants = {  # the int4 variants share their decoder layers: only the head is quantized anew
         "bf16": base,
         "int8": variant(base, "int8"),
-        "int4": variant(base, "int4"),
-        "int4, head int4": variant(base, "int4", head="int4"),
-        "int4, head bf16": variant(base, "int4", head="none"),
+        "int4": variant(head_bf16, "int4", head="int8"),
+        "int4, head int4": variant(head_bf16, "int4", head="int4"),
+        "int4, head bf16": head_bf16,
     }
     rates: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats):  # interleaved: the machine's drift falls on every variant alike
@@ -171,10 +173,37 @@ def speed(args: argparse.Namespace) -> None:
         )
 
 
+@torch.inference_mode()
+def kernels(args: argparse.Namespace) -> None:
+    """One bf16 token through each of Qwen2.5-3B's linear shapes: F.linear against the int8/int4 kernels."""
+    shapes = (("q, o", 2048, 2048), ("k, v", 2048, 256), ("gate, up", 2048, 11008), ("down", 11008, 2048),
+              ("head", 2048, 151936))  # fmt: skip
+    print(f"1 thread, one token (M = 1), {args.repeats} interleaved rounds; median ms and speed-up over bf16")
+    print("| layer | in x out | bf16 ms | bf16 GB/s | int8 ms | int8 vs bf16 | int4 ms | int4 vs bf16 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name, in_features, out_features in shapes:
+        linear = nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
+        layers = {"bf16": linear, "int8": Int8Linear.from_linear(linear)}
+        layers["int4"] = Int4Linear.from_linear(linear)
+        x = torch.randn(1, in_features, dtype=torch.bfloat16)  # (1, K)
+        calls = max(1, int(2e8 // linear.weight.nbytes))
+        times: dict[str, list[float]] = {kind: [] for kind in layers}
+        for _ in range(args.repeats):
+            for kind, layer in layers.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    layer(x)
+                times[kind].append((time.perf_counter() - start) / calls)
+        ms = {kind: statistics.median(t) * 1e3 for kind, t in times.items()}
+        rate = linear.weight.nbytes / ms["bf16"] / 1e6
+        quantized = " | ".join(f"{ms[kind]:.2f} | {ms['bf16'] / ms[kind]:.2f}x" for kind in ("int8", "int4"))
+        print(f"| {name} | {in_features} x {out_features} | {ms['bf16']:.2f} | {rate:.1f} | {quantized} |")
+
+
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    parser.add_argument("part", choices=("quality", "speed"))
+    parser.add_argument("part", choices=("quality", "speed", "kernels"))
     parser.add_argument("--tokens", type=int, help="quality: text tokens (400); speed: decoded tokens (32)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shape", choices=("smollm2", "qwen2.5-3b"), default="smollm2")
@@ -184,6 +213,8 @@ def main() -> None:
     if args.part == "quality":
         args.tokens = args.tokens or 400
         quality(args)
+    elif args.part == "kernels":
+        kernels(args)
     else:
         args.tokens = args.tokens or 32
         speed(args)

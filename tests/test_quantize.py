@@ -85,3 +85,26 @@ def test_a_quantized_tiny_model_keeps_its_logits_and_generates(kind: str, mode: 
     assert float(kl) < (1e-4 if mode == "int8" else 2e-3), float(kl)  # measured: 2e-6 and 2e-4
     assert float((expected.argmax(-1) == got.argmax(-1)).float().mean()) >= 0.9
     assert out.shape == (1, 46)
+
+
+@pytest.mark.slow
+def test_packaged_smollm2_in_int4_runs_on_its_own_q4_1_values() -> None:
+    from kvchat.config import ModelSettings
+    from kvchat.models.loader import load_model
+
+    plain = load_model(ModelSettings(dtype="bf16", device="cpu", threads=1))
+    int4 = load_model(ModelSettings(dtype="bf16", device="cpu", threads=1, quantize="int4"))
+    report = int4.quantization
+    assert report is not None and len(report.kept_from_file) == 30 * 7 and not report.refused
+    assert report.quantized == ["lm_head"]  # tied to the Q8_0 embedding: int8 from its values
+    assert int4.fingerprint != plain.fingerprint  # KV saved by one is refused by the other
+    tokenizer = int4.tokenizer
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = encoded["input_ids"]  # (1, T)
+    with torch.inference_mode():
+        expected = plain.model(input_ids=ids).logits.float().log_softmax(-1)  # (1, T, V)
+        got = int4.model(input_ids=ids).logits.float().log_softmax(-1)
+        answer = int4.model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
+    assert float((expected.exp() * (expected - got)).sum(-1).mean()) < 0.02
+    assert "Paris" in tokenizer.decode(answer)
