@@ -108,3 +108,16 @@ def test_packaged_smollm2_in_int4_runs_on_its_own_q4_1_values() -> None:
         answer = int4.model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
     assert float((expected.exp() * (expected - got)).sum(-1).mean()) < 0.02
     assert "Paris" in tokenizer.decode(answer)
+
+
+def test_the_fingerprint_records_the_quantization() -> None:
+    from kvchat.models.loader import compute_fingerprint, quantization_tag
+    from kvchat.models.quantize import QuantizeReport
+
+    config = make_tiny_model("llama").config
+    tags = ["none", "int8", "int4", "int4+file"]
+    assert len({compute_fingerprint("m", config, tag) for tag in tags}) == 4
+    # Unquantized: the fingerprint of before, so state files saved earlier still load.
+    assert compute_fingerprint("m", config) == compute_fingerprint("m", config, "none")
+    assert quantization_tag(None) == "none"
+    assert quantization_tag(QuantizeReport("int4", kept_from_file=["x"])) == "int4+file"
