@@ -37,8 +37,9 @@ def test_quantized_linear_equals_its_dequantized_matmul(kind: type, leading: tup
 def test_quantized_weight_is_close_to_the_original(kind: type) -> None:
     torch.manual_seed(1)
     linear = nn.Linear(128, 64, bias=False)
-    weight = linear.weight.detach()  # (N, K)
+    weight = linear.weight.detach().clone()  # (N, K)
     error = (kind.from_linear(linear).dequantized_weight() - weight).abs()
+    assert torch.equal(linear.weight, weight)  # quantizing works on a copy, even of fp32 weights
     if kind is Int8Linear:
         step = weight.abs().amax(dim=1, keepdim=True) / 127  # (N, 1)
     else:

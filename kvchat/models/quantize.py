@@ -42,10 +42,10 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        weight = linear.weight.detach().float()  # (N, K)
+        weight = _fp32_copy(linear)  # (N, K)
         absmax = weight.abs().amax(dim=1).clamp(min=1e-8)
         scales = (absmax / 127).to(KERNEL_DTYPE)  # the kernel sees the rounded scale: quantize with it
-        codes = torch.round(weight / scales.float()[:, None]).clamp(-128, 127)
+        codes = weight.div_(scales.float()[:, None]).round_().clamp_(-128, 127)
         return cls(codes, scales, linear.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -86,17 +86,16 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int4Linear:
-        weight = linear.weight.detach().float()  # (N, K)
-        out_features, in_features = weight.shape
+        out_features, in_features = linear.weight.shape
         if in_features % GROUP_SIZE:
             raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE}, got {in_features}")
-        groups = weight.reshape(out_features, -1, GROUP_SIZE)  # (N, K/G, G)
+        groups = _fp32_copy(linear).reshape(out_features, -1, GROUP_SIZE)  # (N, K/G, G)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, K/G)
         # Round scale and zero first: the codes are chosen for the values the kernel will use.
         scales = ((high - low) / 15).clamp(min=1e-8).to(KERNEL_DTYPE)
         zeros = (low + 8 * scales.float()).to(KERNEL_DTYPE)
-        codes = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None] + 8)
-        codes = codes.clamp(0, 15).reshape(out_features, in_features)
+        codes = groups.sub_(zeros.float()[..., None]).div_(scales.float()[..., None]).add_(8)
+        codes = codes.round_().clamp_(0, 15).reshape(out_features, in_features)
         return cls(codes, scales, zeros, linear.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -111,6 +110,12 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP_SIZE}"
+
+
+def _fp32_copy(linear: nn.Linear) -> torch.Tensor:
+    # A copy even of an fp32 weight: quantizing works in place on it, and one (N, K) temporary is
+    # what a 3B model's output layer can afford (1.2 GB).
+    return linear.weight.detach().to(torch.float32, copy=True)
 
 
 def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -166,8 +171,14 @@ def quantize_model(
     if mode == "none":
         return report
     head = _output_layer(model)
-    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
-        layer_mode = (head_mode or "int8") if linear is head else mode
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    head_name = next((n for n in names if model.get_submodule(n) is head), None)
+    del head
+    # Names, not modules: each dense layer is freed once replaced, so the peak stays near the model.
+    for name in names:
+        linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear)
+        layer_mode = (head_mode or "int8") if name == head_name else mode
         if layer_mode == "none":
             continue
         try:
