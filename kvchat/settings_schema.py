@@ -98,7 +98,7 @@ class ModelSettings:
     quantize: str = setting(
         "none",
         "Weight-only quantization of the linear layers: none, int8 (a scale per output channel) or int4 "
-        "(a scale and zero per 32 inputs); int4 keeps a GGUF's Q4_0/Q4_1 values as the file holds them.",
+        "(a scale and zero per 32 inputs; the output layer int8); int4 keeps a GGUF's Q4_0/Q4_1 values.",
         flag="--quantize",
         choices=("none", "int8", "int4"),
     )
