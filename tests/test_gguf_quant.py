@@ -41,19 +41,21 @@ def heads_of(gguf_name: str) -> int | None:
     return {"blk.0.attn_q": NUM_HEADS, "blk.0.attn_k": NUM_KV_HEADS}.get(gguf_name)
 
 
-def write_gguf_and_convert(path: Path) -> torch.nn.Module:
-    """Write the tiny llama's layer 0 into a GGUF as llama.cpp would; return the model as transformers
-    converts that file: every stored weight dequantized, q/k rows put back in transformers' order."""
-    model = make_tiny_model("llama", num_layers=1)
-    writer = gguf.GGUFWriter(path, "llama")
+def write_gguf_and_convert(path: Path, kind: str = "llama") -> torch.nn.Module:
+    """Write a tiny model's layer 0 into a GGUF as llama.cpp would; return the model as transformers
+    converts that file: every stored weight dequantized, a llama's q/k rows put back in its order."""
+    model = make_tiny_model(kind, num_layers=1)
+    writer = gguf.GGUFWriter(path, kind)
     processor = LlamaTensorProcessor({"num_attention_heads": NUM_HEADS, "num_key_value_heads": NUM_KV_HEADS})
     for gguf_name, hf_name, qtype in STORED:
         linear = model.get_submodule(hf_name)
         weight = linear.weight.detach().numpy()  # (N, K)
-        heads = heads_of(gguf_name)
+        heads = heads_of(gguf_name) if kind == "llama" else None  # llama.cpp permutes llama's only
         raw = gguf.quants.quantize(permute(weight, heads) if heads else weight, qtype)
         writer.add_tensor(f"{gguf_name}.weight", raw, raw_dtype=qtype)
-        values = processor.process(gguf.quants.dequantize(raw, qtype), f"{gguf_name}.weight").weights
+        values = gguf.quants.dequantize(raw, qtype)
+        if kind == "llama":
+            values = processor.process(values, f"{gguf_name}.weight").weights
         linear.weight.data = torch.from_numpy(np.ascontiguousarray(values))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -84,9 +86,10 @@ def test_unpermute_matches_transformers() -> None:
     assert np.array_equal(unpermute_rows(permute(rows, NUM_HEADS), NUM_HEADS), rows)
 
 
-def test_q4_layers_keep_the_files_values_and_the_rest_are_quantized(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: rows as stored, biases kept
+def test_q4_layers_keep_the_files_values_and_the_rest_are_quantized(tmp_path: Path, kind: str) -> None:
     path = tmp_path / "tiny.gguf"
-    converted = write_gguf_and_convert(path)
+    converted = write_gguf_and_convert(path, kind)
     dense = {hf_name: converted.get_submodule(hf_name).weight.detach().clone() for _, hf_name, _ in STORED}
     report = quantize_model(converted, "int4", head_mode="none", from_file=file_layers(path))
     kept = [hf_name for _, hf_name, qtype in STORED if qtype in (Q4_0, Q4_1)]
@@ -98,6 +101,8 @@ def test_q4_layers_keep_the_files_values_and_the_rest_are_quantized(tmp_path: Pa
         # The file's values d * q + m, up to bf16's rounding of d and m + 8d and of the output.
         error = (layer.dequantized_weight() - dense[hf_name]).abs().max()
         assert float(error) <= 2**-7 * float(dense[hf_name].abs().max()), hf_name
+        has_bias = kind == "qwen2" and hf_name.endswith(("q_proj", "k_proj", "v_proj"))
+        assert (layer.bias is not None) == has_bias, hf_name
 
 
 def test_a_file_that_does_not_match_its_conversion_is_refused(tmp_path: Path) -> None:
