@@ -122,3 +122,14 @@ def test_the_fingerprint_records_the_quantization() -> None:
     assert compute_fingerprint("m", config) == compute_fingerprint("m", config, "none")
     assert quantization_tag(None) == "none"
     assert quantization_tag(QuantizeReport("int4", kept_from_file=["x"])) == "int4+file"
+
+
+def test_a_torch_without_the_kernels_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvchat.errors import ModelLoadError
+    from kvchat.models import quantize
+
+    monkeypatch.setitem(quantize.KERNELS, ("int4", "cpu"), ("_no_such_kernel",))
+    model = nn.Sequential(nn.Linear(64, 64))
+    with pytest.raises(ModelLoadError, match="_no_such_kernel"):
+        quantize_model(model, "int4")
+    assert isinstance(model[0], nn.Linear)

@@ -15,7 +15,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvchat.errors import ModelLoadError
+
 QUANTIZE_MODES = ("none", "int8", "int4")
+# The aten ops each mode runs on each device type (torch >= 2.6 has the CPU int4 ones).
+KERNELS = {
+    ("int8", "cpu"): ("_weight_int8pack_mm",),
+    ("int8", "cuda"): ("_weight_int8pack_mm",),
+    ("int4", "cpu"): ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu"),
+    ("int4", "cuda"): ("_convert_weight_to_int4pack", "_weight_int4pack_mm"),
+}
 GROUP_SIZE = 32  # inputs per int4 scale and zero, as GGUF's Q4_0/Q4_1 blocks
 KERNEL_DTYPE = torch.bfloat16
 
@@ -170,6 +179,9 @@ def quantize_model(
     report = QuantizeReport(mode)
     if mode == "none":
         return report
+    device = next(model.parameters()).device
+    for layer_mode in {mode, head_mode or "int8"} - {"none"}:
+        require_kernels(layer_mode, device)
     head = _output_layer(model)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     head_name = next((n for n in names if model.get_submodule(n) is head), None)
@@ -197,6 +209,19 @@ _MAKERS: dict[str, Callable[[nn.Linear], nn.Module]] = {
     "int8": Int8Linear.from_linear,
     "int4": Int4Linear.from_linear,
 }
+
+
+def require_kernels(mode: str, device: torch.device) -> None:
+    """Raise ModelLoadError when this torch lacks the kernels `mode` needs on `device`."""
+    names = KERNELS.get((mode, device.type))
+    if names is None:
+        raise ModelLoadError(f"--quantize {mode} runs on cpu or cuda, not {device.type}")
+    missing = [name for name in names if not hasattr(torch.ops.aten, name)]
+    if missing:
+        raise ModelLoadError(
+            f"--quantize {mode} needs torch's {', '.join(missing)} (torch >= 2.6); this is torch "
+            f"{torch.__version__}"
+        )
 
 
 def _output_layer(model: nn.Module) -> nn.Module | None:
