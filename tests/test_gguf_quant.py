@@ -127,3 +127,11 @@ def test_the_tensor_index_is_read_once(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(gguf_quant.gguf, "GGUFReader", no_reader)
     k_proj = converted.get_submodule("model.layers.0.self_attn.k_proj")
     assert isinstance(file_layers(path)("model.layers.0.self_attn.k_proj", k_proj), Int4Linear)
+
+
+def test_a_read_only_cache_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    converted = write_gguf_and_convert(path)
+    k_proj = converted.get_submodule("model.layers.0.self_attn.k_proj")
+    layers = GGUFInt4Layers(path, tmp_path / "missing" / "index.json", NUM_HEADS, NUM_KV_HEADS, num_layers=1)
+    assert isinstance(layers("model.layers.0.self_attn.k_proj", k_proj), Int4Linear)

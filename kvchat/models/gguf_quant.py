@@ -120,7 +120,10 @@ def read_tensor_index(path: Path, index_file: Path) -> TensorIndex:
         for t in reader.tensors
     }
     index = TensorIndex(str(reader.fields["general.architecture"].contents()), size, tensors)
-    _write_index(index, index_file)
+    try:
+        _write_index(index, index_file)
+    except OSError:
+        pass  # a read-only cache: parse the file again next time rather than fail the load
     return index
 
 
