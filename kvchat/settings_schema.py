@@ -105,6 +105,13 @@ class ModelSettings:
         note="0 picks automatically",
         detail="0 means all physical cores but one, at least 1.",
     )
+    quantize: str = setting(
+        "none",
+        "Weight-only quantization of the linear layers: none, int8 (a scale per output channel) or int4 "
+        "(a scale and zero per 32 inputs; the output layer int8); int4 keeps a GGUF's Q4_0/Q4_1 values.",
+        flag="--quantize",
+        choices=("none", "int8", "int4"),
+    )
     draft_model: str | None = setting(
         None,
         "A small model sharing the tokenizer that drafts tokens for decode.speculate = draft.",

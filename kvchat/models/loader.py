@@ -22,8 +22,10 @@ from kvchat.config import ModelSettings
 from kvchat.errors import KvchatError, ModelLoadError
 from kvchat.models.device import apply_threads, choose_device, choose_dtype
 from kvchat.models.gguf import ensure_gguf_converted
-from kvchat.models.packaged import ensure_converted, is_packaged_file
+from kvchat.models.gguf_quant import GGUFInt4Layers
+from kvchat.models.packaged import ensure_converted, is_packaged_file, packaged_gguf
 from kvchat.models.progress import ProgressCallback, quiet_transformers, report
+from kvchat.models.quantize import QuantizeReport, quantize_model
 from kvchat.models.sources import ModelSource, resolve_model
 
 __all__ = [
@@ -53,6 +55,7 @@ class LoadedModel:
     device: torch.device
     eos_token_ids: frozenset[int]
     fingerprint: str
+    quantization: QuantizeReport | None = None
 
 
 def load_model(settings: ModelSettings, progress: ProgressCallback | None = None) -> LoadedModel:
@@ -76,6 +79,7 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
+    quantization = apply_quantize(model, settings.quantize, source, folder)
     eos_ids = eos_token_ids(model, tokenizer)
     if not eos_ids:
         raise ModelLoadError(f"{source.model_id} names no end-of-sequence token; replies would never end")
@@ -87,7 +91,8 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
         dtype=dtype,
         device=device,
         eos_token_ids=eos_ids,
-        fingerprint=compute_fingerprint(source.model_id, model.config),
+        fingerprint=compute_fingerprint(source.model_id, model.config, quantization_tag(quantization)),
+        quantization=quantization,
     )
 
 
@@ -101,6 +106,34 @@ def _converted_folder(source: ModelSource, progress: ProgressCallback | None) ->
     return None
 
 
+def apply_quantize(
+    model: PreTrainedModel, mode: str, source: ModelSource, converted: Path | None
+) -> QuantizeReport | None:
+    """Quantize the linear layers in place; int4 keeps a Q4_0/Q4_1 GGUF's own 4-bit values."""
+    if mode == "none":
+        return None
+    from_file = None
+    if mode == "int4" and converted is not None:
+        path = packaged_gguf() if source.kind == "packaged" else Path(source.location)
+        config = model.config
+        from_file = GGUFInt4Layers(
+            path,
+            converted / "gguf-tensors.json",
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.num_hidden_layers,
+        )
+    with torch.no_grad():
+        return quantize_model(model, mode, from_file=from_file)
+
+
+def quantization_tag(report: QuantizeReport | None) -> str:
+    """How the weights were quantized, as the fingerprint records it: none, int8, int4, int4+file."""
+    if report is None:
+        return "none"
+    return report.mode + ("+file" if report.kept_from_file else "")
+
+
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """The union of the tokenizer's and the generation config's end-of-sequence ids."""
     ids: set[int] = set()
@@ -112,14 +145,17 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return frozenset(ids)
 
 
-def compute_fingerprint(model_id: str, config: PretrainedConfig) -> str:
-    """A short hash of the model id and architecture config, the same for any dtype, device or path."""
+def compute_fingerprint(model_id: str, config: PretrainedConfig, quantize: str = "none") -> str:
+    """A short hash of the model id, architecture config and weight quantization, the same for any
+    dtype, device or path: KV computed with quantized weights is refused by an unquantized model."""
     entries = {
         key: value
         for key, value in config.to_dict().items()
         if not key.startswith("_") and key not in _VOLATILE_CONFIG_KEYS
     }
     text = model_id + "\n" + json.dumps(entries, sort_keys=True, default=str)
+    if quantize != "none":
+        text += f"\nquantize={quantize}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -1,0 +1,235 @@
+"""Weight-only quantization of a model's linear layers with torch's own kernels.
+
+int8: one symmetric scale per output channel (`_weight_int8pack_mm`). int4: groups of 32 inputs with
+a scale and a zero each, value = (code - 8) * scale + zero (`_weight_int4pack_mm[_for_cpu]`).
+Scales, zeros and activations are bf16: these kernels run 2-4x slower on fp32 activations, so each
+layer casts its input to bf16 and its output back. The packed layout depends on the device, so
+quantize after the model is on its device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvchat.errors import ModelLoadError
+
+QUANTIZE_MODES = ("none", "int8", "int4")
+# The aten ops each mode runs on each device type (torch >= 2.6 has the CPU int4 ones).
+KERNELS = {
+    ("int8", "cpu"): ("_weight_int8pack_mm",),
+    ("int8", "cuda"): ("_weight_int8pack_mm",),
+    ("int4", "cpu"): ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu"),
+    ("int4", "cuda"): ("_convert_weight_to_int4pack", "_weight_int4pack_mm"),
+}
+GROUP_SIZE = 32  # inputs per int4 scale and zero, as GGUF's Q4_0/Q4_1 blocks
+KERNEL_DTYPE = torch.bfloat16
+
+# A linear's name and module in, its quantized replacement out (or None: quantize it from its weight).
+LayerSource = Callable[[str, nn.Linear], nn.Module | None]
+
+
+class Int8Linear(nn.Module):
+    """nn.Linear with int8 weights and one bf16 scale per output channel."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        if self.in_features % 16:
+            # _weight_int8pack_mm reads past the row when K is not a multiple of 16 (a crash, seen).
+            raise ValueError(f"int8 needs in_features divisible by 16, got {self.in_features}")
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())  # (N, K)
+        self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())  # (N,)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(KERNEL_DTYPE))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        weight = _fp32_copy(linear)  # (N, K)
+        absmax = weight.abs().amax(dim=1).clamp(min=1e-8)
+        scales = (absmax / 127).to(KERNEL_DTYPE)  # the kernel sees the rounded scale: quantize with it
+        codes = weight.div_(scales.float()[:, None]).round_().clamp_(-128, 127)
+        return cls(codes, scales, linear.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, in fp32: (N, K)."""
+        return self.codes.float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # (M, K)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scales)  # (M, N)
+        return _finish(out, self.bias, x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+class Int4Linear(nn.Module):
+    """nn.Linear with 4-bit codes in groups of 32 inputs, each group with a bf16 scale and zero."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape  # codes: (N, K) in 0..15
+        if self.in_features % GROUP_SIZE or self.out_features % 16:
+            raise ValueError(
+                f"int4 needs in_features divisible by {GROUP_SIZE} and out_features by 16, "
+                f"got {self.in_features} and {self.out_features}"
+            )
+        assert scales.shape == zeros.shape == (self.out_features, self.in_features // GROUP_SIZE)
+        pairs = torch.stack([scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)], dim=-1)  # (N, K/G, 2)
+        self.register_buffer("packed", _pack_int4(codes))
+        self.register_buffer("scales_and_zeros", pairs.transpose(0, 1).contiguous())  # (K/G, N, 2)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(KERNEL_DTYPE))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int4Linear:
+        out_features, in_features = linear.weight.shape
+        if in_features % GROUP_SIZE:
+            raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE}, got {in_features}")
+        groups = _fp32_copy(linear).reshape(out_features, -1, GROUP_SIZE)  # (N, K/G, G)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, K/G)
+        # Round scale and zero first: the codes are chosen for the values the kernel will use.
+        scales = ((high - low) / 15).clamp(min=1e-8).to(KERNEL_DTYPE)
+        zeros = (low + 8 * scales.float()).to(KERNEL_DTYPE)
+        codes = groups.sub_(zeros.float()[..., None]).div_(scales.float()[..., None]).add_(8)
+        codes = codes.round_().clamp_(0, 15).reshape(out_features, in_features)
+        return cls(codes, scales, zeros, linear.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, in fp32: (N, K). Runs the kernel on an identity."""
+        eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.packed.device)  # (K, K)
+        return _int4_mm(eye, self.packed, self.scales_and_zeros).float().T.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # (M, K)
+        out = _int4_mm(flat, self.packed, self.scales_and_zeros)  # (M, N)
+        return _finish(out, self.bias, x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP_SIZE}"
+
+
+def _fp32_copy(linear: nn.Linear) -> torch.Tensor:
+    # A copy even of an fp32 weight: quantizing works in place on it, and one (N, K) temporary is
+    # what a 3B model's output layer can afford (1.2 GB).
+    return linear.weight.detach().to(torch.float32, copy=True)
+
+
+def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    codes = codes.to(torch.int32)  # (N, K) in 0..15
+    if codes.device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # (N, K/2) uint8
+    # CUDA (untested here): two codes a byte, even index in the high nibble, then the tiled layout.
+    pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # (N, K/2)
+    inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (t * 16) == 0)
+    return torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
+
+
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP_SIZE, scales_and_zeros)
+
+
+@dataclass
+class QuantizeReport:
+    """What quantize_model did: layer names by outcome."""
+
+    mode: str
+    quantized: list[str] = field(default_factory=list)
+    kept_from_file: list[str] = field(default_factory=list)  # values taken as they are from a GGUF
+    refused: list[str] = field(default_factory=list)  # shapes the kernel cannot take: left as they were
+
+    @property
+    def num_replaced(self) -> int:
+        return len(self.quantized) + len(self.kept_from_file)
+
+
+def quantize_model(
+    model: nn.Module, mode: str, head_mode: str | None = None, from_file: LayerSource | None = None
+) -> QuantizeReport:
+    """Replace the model's nn.Linear layers by int8 or int4 ones in place (the embedding stays).
+
+    The output layer is quantized as `head_mode` says, by default int8 for both modes: in int4 it
+    costs 50x the KL of all other layers together on SmolLM2 (scripts/README.md, Quantization).
+    `from_file` may supply a ready layer for a name (a GGUF's own 4-bit values); the others are
+    quantized from their weights. Layers of shapes the kernel cannot take stay as they are, listed
+    in the report."""
+    for value in (mode, head_mode):
+        if value is not None and value not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {value!r}")
+    report = QuantizeReport(mode)
+    if mode == "none":
+        return report
+    device = next(model.parameters()).device
+    for layer_mode in {mode, head_mode or "int8"} - {"none"}:
+        require_kernels(layer_mode, device)
+    head = _output_layer(model)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    head_name = next((n for n in names if model.get_submodule(n) is head), None)
+    del head
+    # Names, not modules: each dense layer is freed once replaced, so the peak stays near the model.
+    for name in names:
+        linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear)
+        layer_mode = (head_mode or "int8") if name == head_name else mode
+        if layer_mode == "none":
+            continue
+        try:
+            replacement = from_file(name, linear) if from_file is not None and layer_mode == "int4" else None
+            outcome = report.kept_from_file if replacement is not None else report.quantized
+            replacement = replacement or _MAKERS[layer_mode](linear)
+        except ValueError:  # a shape the kernel cannot take
+            report.refused.append(name)
+            continue
+        outcome.append(name)
+        _set_submodule(model, name, replacement)
+    return report
+
+
+_MAKERS: dict[str, Callable[[nn.Linear], nn.Module]] = {
+    "int8": Int8Linear.from_linear,
+    "int4": Int4Linear.from_linear,
+}
+
+
+def require_kernels(mode: str, device: torch.device) -> None:
+    """Raise ModelLoadError when this torch lacks the kernels `mode` needs on `device`."""
+    names = KERNELS.get((mode, device.type))
+    if names is None:
+        raise ModelLoadError(f"--quantize {mode} runs on cpu or cuda, not {device.type}")
+    missing = [name for name in names if not hasattr(torch.ops.aten, name)]
+    if missing:
+        raise ModelLoadError(
+            f"--quantize {mode} needs torch's {', '.join(missing)} (torch >= 2.6); this is torch "
+            f"{torch.__version__}"
+        )
+
+
+def _output_layer(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)

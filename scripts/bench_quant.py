@@ -1,0 +1,224 @@
+"""What weight-only quantization costs and gains: KL and top-1 against the unquantized model, decode speed.
+
+    python scripts/bench_quant.py quality                       # packaged SmolLM2, ~400 tokens of prose
+    python scripts/bench_quant.py speed --tokens 32 --repeats 5  # packaged SmolLM2
+    python scripts/bench_quant.py speed --shape qwen2.5-3b --tokens 4 --repeats 3
+    python scripts/bench_quant.py kernels                       # Qwen2.5-3B's linear shapes, one token
+
+quality: every variant scores the same English text in one forward; the table gives the mean
+KL(fp32 unquantized || variant) of the next-token distribution per position, how often the top-1 token
+is the same, and the perplexity. `int4 (file)` keeps the packaged GGUF's own Q4_1 values, `int4
+(requant)` quantizes the dequantized weights anew. The output layer ("head") is int8 in both modes
+unless the variant names another format for it.
+speed: one thread, a 16-token prompt, then greedy decode through the model's own forward; the
+variants take turns, `--repeats` times; tok/s is the median, GB/s the bytes of weights read per token
+(linears, the output layer, not the embedding's one row) times tok/s. `--shape qwen2.5-3b` is a
+random-weight model with Qwen2.5-3B's config (~6 GB in bf16; ~12 GB of memory for all variants).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import time
+from itertools import chain
+
+import torch
+from bench_dtype import TEXT as RHINE
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+from kvchat.models.gguf_quant import GGUFInt4Layers
+from kvchat.models.packaged import ensure_converted, packaged_gguf
+from kvchat.models.progress import quiet_transformers
+from kvchat.models.quantize import Int4Linear, Int8Linear, quantize_model
+
+TEXT = RHINE + (
+    " Further south, the river forms the border between Germany and France for almost two hundred "
+    "kilometres. Strasbourg lies a few kilometres from its western bank, and its port is one of the "
+    "largest on any inland waterway in Europe. The Rhine also feeds Lake Constance, which three countries "
+    "share, and the lake in turn evens out the flow of the river below it. Many of the cities along the "
+    "river were founded by the Romans, who used it as a frontier and built forts at the places where the "
+    "legions crossed. Later the bishops of Mainz, Cologne and Trier became powerful princes, and the "
+    "tolls they charged on every passing ship paid for their cathedrals. Poets of the nineteenth century "
+    "made the river a symbol of the nation, and painters came to draw its rocks and ruined towers. Today "
+    "the water is much cleaner than it was fifty years ago, when factories and towns still emptied their "
+    "waste into it, and salmon have begun to return to some of its tributaries."
+)
+PROMPT_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+QWEN25_3B = dict(
+    hidden_size=2048,
+    num_hidden_layers=36,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    intermediate_size=11008,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+)
+
+
+def variant(model: nn.Module, mode: str, head: str | None = None, from_file=None) -> nn.Module:
+    """A copy of `model` sharing its tensors, with its linears quantized (the original untouched)."""
+    shared = {id(t): t for t in chain(model.parameters(), model.buffers())}
+    quantized = copy.deepcopy(model, memo=shared)
+    with torch.no_grad():
+        quantize_model(quantized, mode, head_mode=head, from_file=from_file)
+    return quantized
+
+
+def file_layers(model: nn.Module) -> GGUFInt4Layers:
+    config = model.config
+    index = ensure_converted() / "gguf-tensors.json"
+    heads, kv_heads, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
+    return GGUFInt4Layers(packaged_gguf(), index, heads, kv_heads, layers)
+
+
+def quality(args: argparse.Namespace) -> None:
+    folder = ensure_converted()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with quiet_transformers():
+        fp32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        bf16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    variants = {
+        "none, bf16": bf16,
+        "int8": variant(bf16, "int8"),
+        "int8, head bf16": variant(bf16, "int8", head="none"),
+        "int4 (file)": variant(bf16, "int4", from_file=file_layers(bf16)),
+        "int4 (file), head bf16": variant(bf16, "int4", head="none", from_file=file_layers(bf16)),
+        "int4 (file), head int4": variant(bf16, "int4", head="int4", from_file=file_layers(bf16)),
+        "int4 (requant)": variant(bf16, "int4"),
+    }
+    ids = torch.tensor([tokenizer.encode(TEXT)[: args.tokens]])  # (1, T)
+    targets = ids[0, 1:]  # (T-1,)
+    with torch.inference_mode():
+        log_p = fp32(input_ids=ids).logits[0, :-1].float().log_softmax(-1)  # (T-1, V)
+        print(f"reference: packaged SmolLM2 (its Q4_1 values dequantized), fp32; {targets.numel()} positions")
+        print("| variant | KL per token | same top-1 | perplexity |")
+        print("|---|---:|---:|---:|")
+        print(f"| none, fp32 | 0 | 100% | {perplexity(log_p, targets):.3f} |")
+        for name, model in variants.items():
+            log_q = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)  # (T-1, V)
+            kl = float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+            top1 = float((log_p.argmax(-1) == log_q.argmax(-1)).float().mean())
+            print(f"| {name} | {kl:.4f} | {top1:.1%} | {perplexity(log_q, targets):.3f} |")
+
+
+def perplexity(log_probs: torch.Tensor, targets: torch.Tensor) -> float:
+    return math.exp(float(-log_probs.gather(-1, targets[:, None]).mean()))
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: all but the embedding (one row), the output layer included."""
+    embedding = model.get_input_embeddings().weight
+    seen = {id(embedding)}
+    total = 0
+    for tensor in chain(model.parameters(), model.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.nbytes
+    head = model.get_output_embeddings()
+    if isinstance(head, nn.Linear) and head.weight is embedding:
+        total += embedding.nbytes
+    return total
+
+
+@torch.inference_mode()
+def decode_tokens_per_s(model: nn.Module, num_tokens: int) -> float:
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=torch.tensor([PROMPT_IDS]), past_key_values=cache, use_cache=True).logits
+    next_id = logits[:, -1:].argmax(-1)  # (1, 1)
+    start = time.perf_counter()
+    for _ in range(num_tokens):
+        logits = model(input_ids=next_id, past_key_values=cache, use_cache=True).logits  # (1, 1, V)
+        next_id = logits[:, -1:].argmax(-1)
+    return num_tokens / (time.perf_counter() - start)
+
+
+def speed_model(shape: str) -> nn.Module:
+    if shape == "smollm2":
+        with quiet_transformers():
+            return AutoModelForCausalLM.from_pretrained(ensure_converted(), dtype=torch.bfloat16).eval()
+    torch.manual_seed(0)
+    config = Qwen2Config(**QWEN25_3B)
+    return Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+
+
+def speed(args: argparse.Namespace) -> None:
+    base = speed_model(args.shape)
+    head_bf16 = variant(base, "int4", head="none")
+    variants = {  # the int4 variants share their decoder layers: only the head is quantized anew
+        "bf16": base,
+        "int8": variant(base, "int8"),
+        "int4": variant(head_bf16, "int4", head="int8"),
+        "int4, head int4": variant(head_bf16, "int4", head="int4"),
+        "int4, head bf16": head_bf16,
+    }
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.repeats):  # interleaved: the machine's drift falls on every variant alike
+        for name, model in variants.items():
+            rates[name].append(decode_tokens_per_s(model, args.tokens))
+    print(f"{args.shape}, 1 thread, {args.tokens} tokens x {args.repeats}, variants interleaved")
+    print("| variant | MB read per token | tok/s (median) | min | max | GB/s | vs bf16 (median of ratios) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, model in variants.items():
+        rs, size = rates[name], weight_bytes_per_token(model)
+        ratio = statistics.median(r / b for r, b in zip(rs, rates["bf16"], strict=True))
+        med = statistics.median(rs)
+        print(
+            f"| {name} | {size / 1e6:.0f} | {med:.2f} | {min(rs):.2f} | {max(rs):.2f} | "
+            f"{size * med / 1e9:.1f} | {ratio:.2f}x |"
+        )
+
+
+@torch.inference_mode()
+def kernels(args: argparse.Namespace) -> None:
+    """One bf16 token through each of Qwen2.5-3B's linear shapes: F.linear against the int8/int4 kernels."""
+    shapes = (("q, o", 2048, 2048), ("k, v", 2048, 256), ("gate, up", 2048, 11008), ("down", 11008, 2048),
+              ("head", 2048, 151936))  # fmt: skip
+    print(f"1 thread, one token (M = 1), {args.repeats} interleaved rounds; median ms and speed-up over bf16")
+    print("| layer | in x out | bf16 ms | bf16 GB/s | int8 ms | int8 vs bf16 | int4 ms | int4 vs bf16 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name, in_features, out_features in shapes:
+        linear = nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
+        layers = {"bf16": linear, "int8": Int8Linear.from_linear(linear)}
+        layers["int4"] = Int4Linear.from_linear(linear)
+        x = torch.randn(1, in_features, dtype=torch.bfloat16)  # (1, K)
+        calls = max(1, int(2e8 // linear.weight.nbytes))
+        times: dict[str, list[float]] = {kind: [] for kind in layers}
+        for _ in range(args.repeats):
+            for kind, layer in layers.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    layer(x)
+                times[kind].append((time.perf_counter() - start) / calls)
+        ms = {kind: statistics.median(t) * 1e3 for kind, t in times.items()}
+        rate = linear.weight.nbytes / ms["bf16"] / 1e6
+        quantized = " | ".join(f"{ms[kind]:.2f} | {ms['bf16'] / ms[kind]:.2f}x" for kind in ("int8", "int4"))
+        print(f"| {name} | {in_features} x {out_features} | {ms['bf16']:.2f} | {rate:.1f} | {quantized} |")
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("part", choices=("quality", "speed", "kernels"))
+    parser.add_argument("--tokens", type=int, help="quality: text tokens (400); speed: decoded tokens (32)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shape", choices=("smollm2", "qwen2.5-3b"), default="smollm2")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.part == "quality":
+        args.tokens = args.tokens or 400
+        quality(args)
+    elif args.part == "kernels":
+        kernels(args)
+    else:
+        args.tokens = args.tokens or 32
+        speed(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Weight-only int8/int4 linears against dequantized reference matmuls, on layers and tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvchat.models.quantize import GROUP_SIZE, Int4Linear, Int8Linear, quantize_model
+from tests.tiny_models import make_tiny_model
+
+LAYER_KINDS = (Int8Linear, Int4Linear)
+
+
+def reference(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """The quantized weight dequantized in fp32, times the bf16-rounded input the kernel sees."""
+    out = x.to(torch.bfloat16).float() @ layer.dequantized_weight().T  # (..., N)
+    return out if layer.bias is None else out + layer.bias.float()
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+@pytest.mark.parametrize("leading", [(), (5,), (2, 3)])
+def test_quantized_linear_equals_its_dequantized_matmul(kind: type, leading: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, bias=True)
+    layer = kind.from_linear(linear)
+    x = torch.randn(*leading, 256)
+    out = layer(x)
+    assert out.shape == (*leading, 96) and out.dtype == torch.float32
+    expected = reference(layer, x)
+    # The kernels round their output to bf16: 2^-8 relative, and accumulate in another order.
+    torch.testing.assert_close(out, expected, rtol=2**-7, atol=2**-8 * float(expected.abs().max()))
+    assert torch.equal(layer(x.to(torch.bfloat16)), out.to(torch.bfloat16))  # bf16 in, bf16 out
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_quantized_weight_is_close_to_the_original(kind: type) -> None:
+    torch.manual_seed(1)
+    linear = nn.Linear(128, 64, bias=False)
+    weight = linear.weight.detach().clone()  # (N, K)
+    error = (kind.from_linear(linear).dequantized_weight() - weight).abs()
+    assert torch.equal(linear.weight, weight)  # quantizing works on a copy, even of fp32 weights
+    if kind is Int8Linear:
+        step = weight.abs().amax(dim=1, keepdim=True) / 127  # (N, 1)
+    else:
+        groups = weight.reshape(64, -1, GROUP_SIZE)
+        step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(GROUP_SIZE, dim=1)  # (N, K)
+    # Half a step of rounding, plus bf16's rounding of the scale (and zero) and of the kernel's output.
+    assert bool((error <= 0.5 * step + 0.02 * weight.abs().amax()).all())
+    assert float(error.mean()) < float(0.3 * step.mean())
+
+
+def test_shapes_the_kernels_cannot_take_are_refused() -> None:
+    with pytest.raises(ValueError, match="divisible by 16"):
+        Int8Linear.from_linear(nn.Linear(24, 16))  # the int8 kernel crashes on such rows
+    with pytest.raises(ValueError, match=f"divisible by {GROUP_SIZE}"):
+        Int4Linear.from_linear(nn.Linear(48, 16))
+    with pytest.raises(ValueError, match="out_features by 16"):
+        Int4Linear.from_linear(nn.Linear(64, 24))
+
+
+def test_quantize_model_leaves_odd_layers_and_the_embedding_alone() -> None:
+    model = nn.Sequential(nn.Embedding(10, 64), nn.Linear(64, 64), nn.Linear(64, 24), nn.Linear(64, 48))
+    report = quantize_model(model, "int4")
+    assert report.quantized == ["1", "3"] and report.refused == ["2"] and not report.kept_from_file
+    assert isinstance(model[0], nn.Embedding) and isinstance(model[2], nn.Linear)
+    assert isinstance(model[1], Int4Linear) and isinstance(model[3], Int4Linear)
+    assert quantize_model(model, "none").num_replaced == 0
+    with pytest.raises(ValueError, match="int2"):
+        quantize_model(model, "int2")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v carry a bias
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_tiny_model_keeps_its_logits_and_generates(kind: str, mode: str) -> None:
+    plain = make_tiny_model(kind, dtype=torch.bfloat16)
+    quantized = make_tiny_model(kind, dtype=torch.bfloat16)
+    report = quantize_model(quantized, mode)
+    assert report.num_replaced == 2 * 7 + 1 and not report.refused  # 7 linears a layer, and lm_head
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0))  # (1, T)
+    with torch.inference_mode():
+        expected = plain(input_ids=ids).logits.float().log_softmax(-1)  # (1, T, V)
+        got = quantized(input_ids=ids).logits.float().log_softmax(-1)
+        kl = (expected.exp() * (expected - got)).sum(-1).mean()
+        out = quantized.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert float(kl) < (1e-4 if mode == "int8" else 2e-3), float(kl)  # measured: 2e-6 and 2e-4
+    assert float((expected.argmax(-1) == got.argmax(-1)).float().mean()) >= 0.9
+    assert out.shape == (1, 46)
+
+
+@pytest.mark.slow
+def test_packaged_smollm2_in_int4_runs_on_its_own_q4_1_values() -> None:
+    from kvchat.config import ModelSettings
+    from kvchat.models.loader import load_model
+
+    plain = load_model(ModelSettings(dtype="bf16", device="cpu", threads=1))
+    int4 = load_model(ModelSettings(dtype="bf16", device="cpu", threads=1, quantize="int4"))
+    report = int4.quantization
+    assert report is not None and len(report.kept_from_file) == 30 * 7 and not report.refused
+    assert report.quantized == ["lm_head"]  # tied to the Q8_0 embedding: int8 from its values
+    assert int4.fingerprint != plain.fingerprint  # KV saved by one is refused by the other
+    tokenizer = int4.tokenizer
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = encoded["input_ids"]  # (1, T)
+    with torch.inference_mode():
+        expected = plain.model(input_ids=ids).logits.float().log_softmax(-1)  # (1, T, V)
+        got = int4.model(input_ids=ids).logits.float().log_softmax(-1)
+        answer = int4.model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
+    assert float((expected.exp() * (expected - got)).sum(-1).mean()) < 0.02
+    assert "Paris" in tokenizer.decode(answer)
+
+
+def test_the_fingerprint_records_the_quantization() -> None:
+    from kvchat.models.loader import compute_fingerprint, quantization_tag
+    from kvchat.models.quantize import QuantizeReport
+
+    config = make_tiny_model("llama").config
+    tags = ["none", "int8", "int4", "int4+file"]
+    assert len({compute_fingerprint("m", config, tag) for tag in tags}) == 4
+    # Unquantized: the fingerprint of before, so state files saved earlier still load.
+    assert compute_fingerprint("m", config) == compute_fingerprint("m", config, "none")
+    assert quantization_tag(None) == "none"
+    assert quantization_tag(QuantizeReport("int4", kept_from_file=["x"])) == "int4+file"
+
+
+def test_a_torch_without_the_kernels_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvchat.errors import ModelLoadError
+    from kvchat.models import quantize
+
+    monkeypatch.setitem(quantize.KERNELS, ("int4", "cpu"), ("_no_such_kernel",))
+    model = nn.Sequential(nn.Linear(64, 64))
+    with pytest.raises(ModelLoadError, match="_no_such_kernel"):
+        quantize_model(model, "int4")
+    assert isinstance(model[0], nn.Linear)
