@@ -16,7 +16,8 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-from kvchat.errors import ConfigError
+from kvchat.errors import ConfigError, PathError
+from kvchat.paths import user_path
 from kvchat.settings_schema import (
     TABLES,
     CacheSettings,
@@ -83,7 +84,10 @@ def find_user_file() -> Path | None:
     """`$KVCHAT_CONFIG` if set, else `$XDG_CONFIG_HOME/kvchat/config.toml` (~/.config) if it exists."""
     explicit = os.environ.get("KVCHAT_CONFIG")
     if explicit:
-        return Path(explicit).expanduser()
+        try:
+            return user_path(explicit)
+        except PathError as err:
+            raise ConfigError(f"$KVCHAT_CONFIG: {err}") from None
     config_home = Path(os.environ.get("XDG_CONFIG_HOME") or "~/.config").expanduser()
     path = config_home / "kvchat" / "config.toml"
     return path if path.is_file() else None

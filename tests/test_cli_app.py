@@ -165,6 +165,31 @@ def test_a_bad_config_file_exits_two(tmp_path):
     assert result.exit_code == 2 and result.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--config", "~nosuchuser/x"], None, "kvchat: --config: ~nosuchuser/x: no such user 'nosuchuser'\n"),
+        (["--config", "a\0b"], None, "kvchat: --config: 'a\\x00b': a path cannot hold a NUL byte\n"),
+        (
+            [],
+            {"KVCHAT_CONFIG": "~nosuchuser/x"},
+            "kvchat: $KVCHAT_CONFIG: ~nosuchuser/x: no such user 'nosuchuser'\n",
+        ),
+    ],
+)
+def test_a_config_path_that_cannot_name_a_file_is_one_line_and_exit_two(args, env, message):
+    result, factory = invoke(args, stdin="hello\n", env=env)
+    assert result.exit_code == 2 and result.stderr == message
+    assert factory.ctx.params_seen == []
+
+
+def test_a_config_path_expands_the_home_directory(tmp_path):
+    (tmp_path / "mine.toml").write_text("[sampling]\ntop_k = 5\n", encoding="utf-8")
+    result, factory = invoke(["--config", "~/mine.toml"], stdin="/stats\n", env={"HOME": str(tmp_path)})
+    assert result.exit_code == 0, result.stderr
+    assert factory.settings.sampling.top_k == 5
+
+
 def test_a_config_file_is_read_and_flags_beat_it(tmp_path):
     config = tmp_path / "mine.toml"
     config.write_text("[sampling]\ntemperature = 0.3\ntop_k = 5\n", encoding="utf-8")

@@ -72,7 +72,7 @@ def _shown_default(info: SettingInfo) -> str:
 FLAGS = (
     *(_setting_flag(info) for info in all_settings().values() if info.spec.flag),
     Flag("system", str, "The system prompt, for the REPL, a script or -p.", ("--system",)),
-    Flag("config", Path, "A TOML settings file instead of ~/.config/kvchat/config.toml.", ("--config",)),
+    Flag("config", str, "A TOML settings file instead of ~/.config/kvchat/config.toml.", ("--config",)),
 )
 
 
@@ -196,12 +196,13 @@ def session_main(
         ui.fatal(f"{script}: no such file" if not script.exists() else f"{script} is not a file")
         return EXIT_CANNOT_START
     try:
-        settings = load_settings(flags.get("config"), flags=setting_flags(flags))
+        config_file = _config_file(flags.get("config"))
+        settings = load_settings(config_file, flags=setting_flags(flags))
         ui = UI(color=settings.ui.color, json_lines=settings.ui.json, debug=settings.ui.debug)
         check_model_paths(settings)
         _history_file(settings)  # a path that cannot name a file stops the start, in one line
         with ui.progress() as progress:
-            shell = Shell(open_session(settings, progress), settings, flags.get("config"))
+            shell = Shell(open_session(settings, progress), settings, config_file)
         shell.notify = ui.note
         if flags.get("system") is not None:
             shell.ctx.set_system(flags["system"])
@@ -244,6 +245,13 @@ def _open_real_session(settings: Settings, progress: ProgressCallback | None) ->
     from kvchat.session import open_session
 
     return open_session(settings, progress)
+
+
+def _config_file(text: str | None) -> Path | None:
+    try:
+        return user_path(text) if text is not None else None
+    except PathError as err:
+        raise ConfigError(f"--config: {err}") from None
 
 
 def _history_file(settings: Settings) -> Path | None:
