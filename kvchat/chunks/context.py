@@ -10,10 +10,12 @@ from pathlib import Path
 
 import torch
 
-from kvchat.chunks import describe, persist
+from kvchat.chunks import describe
 from kvchat.chunks.chunk import Chunk, ChunkRegistry
 from kvchat.chunks.compose import NO_REPAIR, ComposedSequence, RepairPolicy, chunk_ranges
+from kvchat.chunks.context_file import load_session, save_session
 from kvchat.chunks.inference import Inference, Setup
+from kvchat.chunks.prefix_kv import read_prefix_kv
 from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.retry import answer_to_retry
 from kvchat.chunks.template import ChatFormat
@@ -35,7 +37,7 @@ from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import CacheFullError, ChunkError
 from kvchat.interrupts import interrupts_ignored
 from kvchat.models.device import describe_runtime
-from kvchat.models.info import ModelInfo, model_info
+from kvchat.models.info import ModelInfo
 
 _TEMPLATE_ROLE = {
     Role.SYSTEM: "system",
@@ -315,49 +317,18 @@ class ContextManager:
 
     def model_info(self) -> ModelInfo:
         """The model, its chat template and the KV budget (for `/info`)."""
-        engine = self.engine
-        return model_info(
-            engine.model,
-            getattr(self.tokenizer, "chat_template", None),
-            self.format.default_system_prompt,
-            model_id=self.model_id,
-            num_blocks=engine.blocks.num_blocks,
-            block_size=engine.block_size,
-            bytes_per_block=engine.bytes_per_block,
-        )
+        return describe.model_summary(self.engine, self.tokenizer, self.format, self.model_id)
 
     # -- persistence -------------------------------------------------------------------------------
 
     def save(self, path: Path) -> int:
         """Write the chunks, the context and their KV to `path`; returns the number of chunks saved."""
-        context = persist.Context(self.system, self.middle, self.turns, self.query)
-        return persist.save(
-            self.engine, self._layout(), list(self.registry.chunks.values()), context, self.live, Path(path)
-        )
+        return save_session(self, path)
 
     def load(self, path: Path) -> int:
-        """Replace the session with the one saved in `path`; returns the number of chunks. The whole
-        file is checked and its KV staged beside the session before one swap: a file refused, too big
-        or interrupted changes nothing."""
-        saved = persist.read(self.engine, self._layout(), Path(path))
-        live, chunks = persist.stage(self.engine, saved)
-        committed = False
-        try:
-            with interrupts_ignored():  # the swap is bookkeeping over ints: once begun, it runs to the end
-                self.reset()
-                self.registry.restore(chunks)
-                self.live, committed = live, True
-                c = saved.context
-                self.system, self.middle, self.turns, self.query = c.system, c.middle, c.turns, c.query
-                if live is not None:
-                    self.engine.index(live)
-        finally:
-            if not committed:
-                persist.unstage(self.engine, live, chunks)
-        return len(chunks)
-
-    def _layout(self) -> dict[str, object]:
-        return persist.layout(self.engine, self.model_id, self.fingerprint)
+        """Replace the session with the one saved in `path` in one swap; returns the number of chunks.
+        A file refused, too big or interrupted changes nothing."""
+        return load_session(self, path)
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -398,16 +369,7 @@ class ContextManager:
     def read_prefix_kv(self, token_ids: list[int], end: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """K/V (L, end, H, D) of the first `end` of `token_ids`, and whether it is the live sequence's (the
         KV the last inference used, moved KV included); otherwise exact KV, computed and freed again."""
-        live = self.live
-        if live is not None and live.token_ids[: len(token_ids)] == token_ids and live.num_computed >= end:
-            return *self.engine.read_kv(live, 0, end), True
-        seq = self.engine.start(token_ids[: end + 1])
-        try:
-            if seq.num_computed < end:
-                self.engine.compute(seq, until=end)
-            return *self.engine.read_kv(seq, 0, end), False
-        finally:
-            self.engine.free(seq)
+        return read_prefix_kv(self.engine, self.live, token_ids, end)
 
     @property
     def model(self):

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from kvchat.chunks.chunk import Chunk, ChunkRegistry, KVSpan
 from kvchat.chunks.types import CacheStats, ChunkDetail, ChunkInfo
 from kvchat.engine.block_manager import BlockManager
+from kvchat.models.info import ModelInfo, model_info
+
+if TYPE_CHECKING:
+    from kvchat.chunks.template import ChatFormat
+    from kvchat.engine.engine import Engine
 
 
 def kept_span(chunk: Chunk, blocks: BlockManager) -> KVSpan | None:
@@ -54,6 +61,19 @@ def cache_stats(blocks: BlockManager, bytes_per_block: int) -> CacheStats:
         bytes_per_block=bytes_per_block,
         hit_tokens=blocks.hit_tokens,
         lookup_tokens=blocks.lookup_tokens,
+    )
+
+
+def model_summary(engine: Engine, tokenizer: Any, chat_format: ChatFormat, model_id: str) -> ModelInfo:
+    """The model, its chat template and the KV budget (for `/info`)."""
+    return model_info(
+        engine.model,
+        getattr(tokenizer, "chat_template", None),
+        chat_format.default_system_prompt,
+        model_id=model_id,
+        num_blocks=engine.blocks.num_blocks,
+        block_size=engine.block_size,
+        bytes_per_block=engine.bytes_per_block,
     )
 
 
