@@ -25,13 +25,11 @@ from kvchat.settings_schema import (
     ModelSettings,
     ReuseSettings,
     SamplingParams,
-    SettingInfo,
     Settings,
     UiSettings,
     all_settings,
-    normalize,
-    problem,
 )
+from kvchat.settings_spec import SettingInfo, normalize, problem
 
 __all__ = [
     "TABLES",

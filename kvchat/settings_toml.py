@@ -6,7 +6,8 @@ from __future__ import annotations
 import textwrap
 
 from kvchat.config import format_value
-from kvchat.settings_schema import SettingInfo, all_settings
+from kvchat.settings_schema import all_settings
+from kvchat.settings_spec import SettingInfo
 
 WIDTH = 108  # of a comment line
 

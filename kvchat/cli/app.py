@@ -26,7 +26,8 @@ from kvchat.config import Settings, load_settings
 from kvchat.errors import ConfigError, KvchatError, ModelLoadError, PathError
 from kvchat.models.sources import missing_path
 from kvchat.paths import user_path
-from kvchat.settings_schema import SettingInfo, all_settings
+from kvchat.settings_schema import all_settings
+from kvchat.settings_spec import SettingInfo
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager

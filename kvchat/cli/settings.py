@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvchat import config
 from kvchat.cli.results import Notice
-from kvchat.settings_schema import SettingInfo, all_settings
+from kvchat.settings_schema import all_settings
+from kvchat.settings_spec import SettingInfo
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
