@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvchat.chunks.blockmap import BlockMap, cache_map
 from kvchat.chunks.reports import AttentionReport, Comparison, FidelityReport
 from kvchat.chunks.types import CacheStats, ChunkDetail, InferenceStream
-from kvchat.cli import cache_commands, habit_commands
+from kvchat.cli import cache_commands, file_commands, habit_commands, setting_commands
 from kvchat.cli.arguments import count, read_text
 from kvchat.cli.results import (
     ChunkChange,
@@ -23,19 +23,9 @@ from kvchat.cli.results import (
     Notice,
     OutputList,
     Quit,
-    SettingsView,
 )
-from kvchat.cli.settings import (
-    one_setting,
-    restart_hint,
-    set_help,
-    setting_info,
-    setting_values,
-    shown_value,
-    user_config_file,
-)
+from kvchat.cli.settings import user_config_file
 from kvchat.cli.slash_commands import ArgKind, Command, CommandRegistry, command
-from kvchat.config import replace_setting
 from kvchat.errors import CommandError
 from kvchat.paths import user_path
 
@@ -277,49 +267,8 @@ class Shell:
         """
         return cache_commands.compare(self.ctx, arg, self.settings.sampling, self.notify)
 
-    @command(
-        "set",
-        "Change a setting, show one, or list them all",
-        usage="[KEY [VALUE]]",
-        arg=ArgKind.SETTING,
-        details=set_help(),
-    )
-    def set(self, arg: str) -> SettingsView | Notice:
-        if not arg:
-            return SettingsView(setting_values(self.settings), self.ctx.resolved_settings())
-        typed_key, _, value = arg.partition(" ")
-        if not value.strip():
-            return one_setting(self.settings, typed_key, self.ctx.resolved_settings())
-        info = setting_info(typed_key)
-        settings = replace_setting(self.settings, info.key, value.strip())
-        new_value = setting_values(settings)[info.key]
-        if info.spec.live:
-            from kvchat.session import apply_live_settings  # torch: imported once a model runs
-
-            apply_live_settings(self.ctx, settings)
-        self.settings = settings
-        # Settings that are not live are read once, when kvchat starts.
-        later = "" if info.spec.live else f" ({restart_hint(info, new_value, self.config_file)})"
-        return Notice(f"{info.key} = {shown_value(new_value)}{later}", {"key": info.key, "value": new_value})
-
-    @command(
-        "mode",
-        "Show or choose how cached chunks are reused",
-        usage="[exact|reposition|repair]",
-        arg=ArgKind.MODE,
-    )
-    def mode(self, arg: str) -> Notice:
-        """How a cached chunk is reused when what comes before it changed:
-          exact       recompute from the first token whose prefix differs (same result as a full recompute)
-          reposition  move its KV to the new positions (keys re-rotated): fastest, approximate
-          repair      reposition, then recompute reuse.repair_share of the moved tokens: each moved
-                      chunk's first ones (reuse.repair_strategy prefix) or those whose KV deviates
-                      most on the first layers (deviation): closer, costs more
-        Without an argument, shows the mode in use. /verify measures what a mode costs.
-        """
-        if arg:
-            self.set(f"reuse.mode {arg}")  # one path keeps the setting and the context manager agreeing
-        return Notice(f"reuse mode: {self.ctx.mode}", {"mode": str(self.ctx.mode)})
+    set = setting_commands.set_setting
+    mode = setting_commands.mode
 
     @command(
         "verify", "Compare the reuse mode with a full recompute over N tokens", usage="[N]", arg=ArgKind.TEXT
@@ -340,32 +289,8 @@ class Shell:
         """
         return cache_commands.verify(self.ctx, count(arg) if arg else self.settings.reuse.verify_tokens)
 
-    @command("save", "Save chunks, outputs and their KV to FILE", usage="FILE", arg=ArgKind.PATH)
-    def save(self, arg: str) -> Notice:
-        """Writes every chunk and retained output with its KV, and the context, to one safetensors file
-        (atomically: a failed save leaves the old file). The file records the model and KV layout.
-        """
-        path = user_path(arg)
-        with cache_commands.cancellable("save", f"; {path} is as it was"):
-            num_chunks = self.ctx.save(path)
-        return Notice(f"saved {num_chunks} chunks to {path}", {"path": str(path), "num_chunks": num_chunks})
-
-    @command("load", "Load chunks, outputs and their KV from FILE", usage="FILE", arg=ArgKind.PATH)
-    def load(self, arg: str) -> Notice:
-        """Replaces the session's chunks, outputs, context and KV with those saved in FILE. A file made
-        for another model, dtype or block size, or a damaged one, is refused and the session is kept
-        (the first fault is named); so is a load stopped with Ctrl-C.
-        """
-        path = user_path(arg)
-        if path.is_dir():
-            raise CommandError(f"{path} is a directory, not a state file")
-        if not path.exists():
-            raise CommandError(f"no such file: {path}")
-        with cache_commands.cancellable("load", "; the session is as it was"):
-            num_chunks = self.ctx.load(path)
-        return Notice(
-            f"loaded {num_chunks} chunks from {path}", {"path": str(path), "num_chunks": num_chunks}
-        )
+    save = file_commands.save
+    load = file_commands.load
 
     @command(
         "help", "List the commands, or explain one", usage="[COMMAND]", arg=ArgKind.COMMAND, aliases=("?",)
