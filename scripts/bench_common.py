@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvchat.models.packaged import ensure_converted
 
@@ -26,3 +27,21 @@ def load(args: argparse.Namespace):
     folder = args.model or ensure_converted()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype], attn_implementation="sdpa")
     return folder, model.eval(), AutoTokenizer.from_pretrained(folder)
+
+
+# "What is the capital of France?" as a user turn in SmolLM2's chat template, with the assistant turn opened.
+PROMPT_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+
+
+@torch.inference_mode()
+def decode_tokens_per_s(model: torch.nn.Module, num_tokens: int) -> float:
+    """Greedy decode rate of a transformers model after prefilling PROMPT_IDS, timed from the first step."""
+    cache = DynamicCache(config=model.config)
+    input_ids = torch.tensor([PROMPT_IDS])  # (1, T)
+    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits  # (1, T, V)
+    next_id = logits[:, -1:].argmax(-1)  # (1, 1)
+    start = time.perf_counter()
+    for _ in range(num_tokens):
+        logits = model(input_ids=next_id, past_key_values=cache, use_cache=True).logits  # (1, 1, V)
+        next_id = logits[:, -1:].argmax(-1)
+    return num_tokens / (time.perf_counter() - start)

@@ -26,9 +26,10 @@ import time
 from itertools import chain
 
 import torch
+from bench_common import decode_tokens_per_s
 from bench_dtype import TEXT as RHINE
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from kvchat.models.gguf_quant import GGUFInt4Layers
 from kvchat.models.packaged import ensure_converted, packaged_gguf
@@ -47,7 +48,6 @@ TEXT = RHINE + (
     "the water is much cleaner than it was fifty years ago, when factories and towns still emptied their "
     "waste into it, and salmon have begun to return to some of its tributaries."
 )
-PROMPT_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 QWEN25_3B = dict(
     hidden_size=2048,
     num_hidden_layers=36,
@@ -123,18 +123,6 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     if isinstance(head, nn.Linear) and head.weight is embedding:
         total += embedding.nbytes
     return total
-
-
-@torch.inference_mode()
-def decode_tokens_per_s(model: nn.Module, num_tokens: int) -> float:
-    cache = DynamicCache(config=model.config)
-    logits = model(input_ids=torch.tensor([PROMPT_IDS]), past_key_values=cache, use_cache=True).logits
-    next_id = logits[:, -1:].argmax(-1)  # (1, 1)
-    start = time.perf_counter()
-    for _ in range(num_tokens):
-        logits = model(input_ids=next_id, past_key_values=cache, use_cache=True).logits  # (1, 1, V)
-        next_id = logits[:, -1:].argmax(-1)
-    return num_tokens / (time.perf_counter() - start)
 
 
 def speed_model(shape: str) -> nn.Module:

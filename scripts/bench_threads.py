@@ -8,27 +8,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from bench_common import decode_tokens_per_s
+from transformers import AutoModelForCausalLM
 
 from kvchat.models.packaged import ensure_converted
-
-PROMPT_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
-
-
-@torch.inference_mode()
-def decode_tokens_per_s(model: AutoModelForCausalLM, num_tokens: int) -> float:
-    cache = DynamicCache()
-    input_ids = torch.tensor([PROMPT_IDS])  # (1, T)
-    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits  # (1, T, V)
-    next_id = logits[:, -1:].argmax(-1)  # (1, 1)
-    start = time.perf_counter()
-    for _ in range(num_tokens):
-        logits = model(input_ids=next_id, past_key_values=cache, use_cache=True).logits  # (1, 1, V)
-        next_id = logits[:, -1:].argmax(-1)
-    return num_tokens / (time.perf_counter() - start)
 
 
 def main() -> None:

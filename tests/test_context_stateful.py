@@ -5,8 +5,6 @@ hold, and after `reset()` every block is free. Exact mode always equals a full r
 
 import os
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from kvchat.chunks.types import InferenceResult, ReuseMode
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import KvchatError
+from tests.faults import fault_at
 from tests.hf_tokenizers import load_smollm2_tokenizer
 from tests.tiny_models import make_tiny_model
 
@@ -41,30 +40,6 @@ def new_manager() -> ContextManager:
     block_bytes = Engine(MODEL, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512).bytes_per_block
     engine = Engine(MODEL, kv_memory_bytes=block_bytes * 96, block_size=4, prefill_chunk=8)
     return ContextManager(engine, ChatFormat(TOKENIZER), TOKENIZER, frozenset({2}), fingerprint="tiny")
-
-
-@contextmanager
-def fault_after(engine: Engine, num_calls: int, fault: type[BaseException]) -> Iterator[None]:
-    """Raise `fault` at the `num_calls`-th call into any of the engine's FAULT_POINTS."""
-    count = 0
-
-    def wrap(method):
-        def faulty(*args, **kwargs):
-            nonlocal count
-            count += 1
-            if count == num_calls:
-                raise fault("injected")
-            return method(*args, **kwargs)
-
-        return faulty
-
-    for name in FAULT_POINTS:
-        setattr(engine, name, wrap(getattr(engine, name)))
-    try:
-        yield
-    finally:
-        for name in FAULT_POINTS:
-            delattr(engine, name)
 
 
 def drain(stream) -> InferenceResult | None:
@@ -137,7 +112,7 @@ class ContextMachine(RuleBasedStateMachine):
         path = TMP / "fault.safetensors"
         if op == "load":
             cm.save(path)
-        with fault_after(cm.engine, at, fault):
+        with fault_at([(cm.engine, name) for name in FAULT_POINTS], at, fault):
             try:
                 if op == "infer" and cm.query is not None:
                     drain(cm.infer(SamplingParams(max_tokens=4)))

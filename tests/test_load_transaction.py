@@ -10,7 +10,6 @@ import signal
 import tempfile
 from pathlib import Path
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,6 +21,7 @@ from kvchat.chunks.context import ContextManager
 from kvchat.chunks.types import ReuseMode
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import StateFileError
+from tests.faults import fault_at
 from tests.test_context_stateful import MODEL, assert_refs_match, drain, new_manager
 
 TMP = Path(tempfile.mkdtemp(prefix="kvchat-load-"))
@@ -224,32 +224,19 @@ BLOCK_POINTS = ("allocate", "pin")
 def test_an_interrupt_anywhere_in_a_load_changes_nothing(at):
     cm = make_target()
     before = snapshot(cm)
-    count = 0
-
-    def wrap(method):
-        def interrupted(*args, **kwargs):
-            nonlocal count
-            count += 1
-            if count == at:
-                raise KeyboardInterrupt
-            return method(*args, **kwargs)
-
-        return interrupted
-
-    with pytest.MonkeyPatch.context() as mp:
-        for owner, name in INTERRUPT_POINTS:
-            mp.setattr(owner, name, wrap(getattr(owner, name)))
-        for name in ENGINE_POINTS:
-            mp.setattr(cm.engine, name, wrap(getattr(cm.engine, name)))
-        for name in BLOCK_POINTS:
-            mp.setattr(cm.engine.blocks, name, wrap(getattr(cm.engine.blocks, name)))
+    targets = [
+        *INTERRUPT_POINTS,
+        *((cm.engine, name) for name in ENGINE_POINTS),
+        *((cm.engine.blocks, name) for name in BLOCK_POINTS),
+    ]
+    with fault_at(targets, at, KeyboardInterrupt) as counter:
         try:
             cm.load(SOURCE_PATH)
         except KeyboardInterrupt:
             assert_same(before, snapshot(cm))
             assert_refs_match(cm)
             return
-    assert count < at  # no interrupt reached it: it loaded
+    assert counter.num_calls < at  # no interrupt reached it: it loaded
     assert_sound(cm)
 
 
