@@ -337,6 +337,17 @@ class Harness:
         self.out.truncate()
         return text
 
+    def refused(self, line: str) -> str:
+        """Run `line`, check that it failed in one error line and changed neither the context nor the
+        settings, and return that line."""
+        self.take()
+        before, settings = self.ctx.state(), self.shell.settings
+        assert self.run(line) is Status.FAILED
+        out = self.take()
+        assert out.count("\n") == 1 and out.startswith("error: ")
+        assert self.ctx.state() == before and self.shell.settings == settings
+        return out
+
 
 def make_harness(
     responses: list[str | Response] | None = None, *, json_lines: bool = False, overrides: dict | None = None
