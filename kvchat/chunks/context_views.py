@@ -35,7 +35,7 @@ class ContextViews:
     turns: list[str]
     live: Sequence | None
 
-    @abstractmethod
+    @abstractmethod  # the ContextManager's: what composes the context is not a read
     def context_chunks(self, with_query: bool = True) -> list[Chunk]: ...
 
     def held_blocks(self) -> Counter[int]:
