@@ -1,5 +1,6 @@
-"""Decode speed, side by side in one run: kvchat's paged loop, kvchat with a contiguous cache, and
-transformers' model.generate, on the same model, dtype, threads and prompt.
+"""Decode speed, side by side in one run: kvchat's paged loop with its lean decode step and with the
+module forward, kvchat with a contiguous cache, and transformers' model.generate, on the same model,
+dtype, threads and prompt.
 
     python scripts/bench_decode.py --dtype bf16 --contexts 512 4096 --tokens 64 --repeats 5
 
@@ -54,9 +55,13 @@ def generate_runner(model, prompt: list[int], tokens: int) -> Callable[[], float
     return lambda: tokens / (timed(tokens + 1) - timed(1))  # the difference is the decode of `tokens`
 
 
-def kvchat_runner(model, tokenizer, prompt: list[int], tokens: int, paged: bool) -> Callable[[], float]:
+def kvchat_runner(
+    model, tokenizer, prompt: list[int], tokens: int, paged: bool, lean: bool = True
+) -> Callable[[], float]:
     """One run: kvchat's decode tokens/s after the same prefix, prefilled once."""
-    engine = Engine(model, kv_memory_bytes=1 << 30, block_size=16, prefill_chunk=512, paged=paged)
+    engine = Engine(
+        model, kv_memory_bytes=1 << 30, block_size=16, prefill_chunk=512, paged=paged, lean_decode=lean
+    )
     seq = engine.start(prompt)
     engine.compute(seq, until=len(prompt) - 1)
     params = SamplingParams(max_tokens=tokens + 1)
@@ -91,6 +96,9 @@ def main() -> None:
         runners = {
             "model.generate": generate_runner(model, prompt, args.tokens),
             "kvchat contiguous": kvchat_runner(model, tokenizer, prompt, args.tokens, paged=False),
+            "kvchat paged, module forward": kvchat_runner(
+                model, tokenizer, prompt, args.tokens, paged=True, lean=False
+            ),
             "kvchat paged": kvchat_runner(model, tokenizer, prompt, args.tokens, paged=True),
         }
         rates: dict[str, list[float]] = {name: [] for name in runners}

@@ -1,0 +1,114 @@
+"""The decode fast paths equal the plain ones: grouped attention against SDPA, the lean decode step
+against the module forward (logits and greedy text)."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvchat.engine.decode_attention import grouped_attention
+from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
+from kvchat.engine.detokenizer import StreamDetokenizer
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import generate
+from kvchat.engine.sampling import SamplingParams
+from tests.tiny_models import KINDS, make_tiny_model
+
+
+def sdpa_reference(query, keys, values, scaling):
+    """SDPA with K/V repeated per query head and an explicit causal mask for the last q positions."""
+    group = query.shape[1] // keys.shape[1]
+    num_new, length = query.shape[2], keys.shape[2]
+    allowed = torch.arange(length)[None] <= torch.arange(length - num_new, length)[:, None]  # (q, T)
+    out = F.scaled_dot_product_attention(
+        query.float(),
+        keys.repeat_interleave(group, dim=1).float(),
+        values.repeat_interleave(group, dim=1).float(),
+        attn_mask=allowed,
+        scale=scaling,
+    )  # (1, Hq, q, D)
+    return out.transpose(1, 2).reshape(1, num_new, -1)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_new", [1, 5])
+@pytest.mark.parametrize("length", [7, 300])
+def test_grouped_attention_equals_sdpa(dtype, tol, num_new, length):
+    torch.manual_seed(0)
+    query = torch.randn(1, 6, num_new, 16).to(dtype)
+    keys, values = torch.randn(1, 2, length, 16).to(dtype), torch.randn(1, 2, length, 16).to(dtype)
+    got = grouped_attention(query, keys, values, 0.25)
+    torch.testing.assert_close(got.float(), sdpa_reference(query, keys, values, 0.25), atol=tol, rtol=0)
+
+
+def test_attention_of_non_contiguous_workspace_views():
+    torch.manual_seed(1)
+    workspace = torch.randn(1, 2, 64, 16)  # a capacity larger than what is used, as KVWorkspace keeps
+    query = torch.randn(1, 4, 3, 16).transpose(1, 2).contiguous().transpose(1, 2)  # as after a projection
+    got = grouped_attention(query, workspace[:, :, :40], workspace[:, :, :40], 0.25)
+    want = sdpa_reference(query, workspace[:, :, :40].contiguous(), workspace[:, :, :40].contiguous(), 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request):
+    return make_tiny_model(request.param)
+
+
+def random_ids(n, seed=0, vocab=512):
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def test_lean_step_is_chosen_for_the_supported_families(model):
+    assert make_decode_step(model) is not None
+    assert Engine(model, kv_memory_bytes=1 << 22, lean_decode=False)._decode_step is None
+
+
+def decode_logits(engine, prompt, steps):
+    """Logits of the prompt's last token, then of each step's token and of a speculation-sized block."""
+    seq = engine.start(prompt)
+    out = [engine.compute(seq)]
+    for token in steps:
+        engine.extend(seq, [token])
+        out.append(engine.compute(seq))
+    engine.extend(seq, random_ids(MAX_LEAN_TOKENS, seed=3))
+    out.extend(engine.compute(seq, all_logits=True))
+    engine.free(seq)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
+def test_lean_step_equals_module_forward(model, dtype, tol):
+    model = model.to(dtype)
+    try:
+        prompt, steps = random_ids(37), random_ids(5, seed=2)
+        engines = [
+            Engine(model, kv_memory_bytes=1 << 22, block_size=4, lean_decode=lean) for lean in (True, False)
+        ]
+        lean, plain = (decode_logits(engine, prompt, steps) for engine in engines)
+        torch.testing.assert_close(lean.float(), plain.float(), atol=tol, rtol=0)
+        if dtype == torch.float32:
+            assert lean.argmax(-1).tolist() == plain.argmax(-1).tolist()
+    finally:
+        model.to(torch.float32)
+
+
+def test_lean_step_gives_the_same_greedy_text_on_smollm2(smollm2):
+    model, tokenizer = smollm2
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write two sentences about the sea."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    texts = []
+    for lean in (True, False):
+        engine = Engine(model, kv_memory_bytes=1 << 26, lean_decode=lean)
+        seq = engine.start(list(prompt))
+        params = SamplingParams(max_tokens=40)
+        steps = generate(engine, seq, params, frozenset(), StreamDetokenizer(tokenizer))
+        texts.append("".join(step.text for step in steps))
+        engine.free(seq)
+    assert texts[0] == texts[1] and len(texts[0]) > 40
