@@ -6,12 +6,14 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kvchat.engine.decode_attention import grouped_attention
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
+from kvchat.engine.packed_linear import PackedLinear, can_pack, pack_linears_
 from kvchat.engine.sampling import SamplingParams
 from tests.tiny_models import KINDS, make_tiny_model
 
@@ -51,17 +53,14 @@ def test_attention_of_non_contiguous_workspace_views():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def model(request):
-    return make_tiny_model(request.param)
-
-
 def random_ids(n, seed=0, vocab=512):
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def test_lean_step_is_chosen_for_the_supported_families(model):
+@pytest.mark.parametrize("kind", KINDS)
+def test_lean_step_is_chosen_for_the_supported_families(kind):
+    model = make_tiny_model(kind)
     assert make_decode_step(model) is not None
     assert Engine(model, kv_memory_bytes=1 << 22, lean_decode=False)._decode_step is None
 
@@ -79,20 +78,41 @@ def decode_logits(engine, prompt, steps):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
-def test_lean_step_equals_module_forward(model, dtype, tol):
-    model = model.to(dtype)
-    try:
-        prompt, steps = random_ids(37), random_ids(5, seed=2)
-        engines = [
-            Engine(model, kv_memory_bytes=1 << 22, block_size=4, lean_decode=lean) for lean in (True, False)
-        ]
-        lean, plain = (decode_logits(engine, prompt, steps) for engine in engines)
-        torch.testing.assert_close(lean.float(), plain.float(), atol=tol, rtol=0)
-        if dtype == torch.float32:
-            assert lean.argmax(-1).tolist() == plain.argmax(-1).tolist()
-    finally:
-        model.to(torch.float32)
+def test_lean_step_equals_module_forward(kind, dtype, tol):
+    """Lean step (with bf16 linears packed) against the module forward of an untouched twin model."""
+    prompt, steps = random_ids(37), random_ids(5, seed=2)
+    lean_engine = Engine(make_tiny_model(kind, dtype=dtype), kv_memory_bytes=1 << 22)
+    plain_engine = Engine(make_tiny_model(kind, dtype=dtype), kv_memory_bytes=1 << 22, lean_decode=False)
+    if dtype == torch.bfloat16 and can_pack(nn.Linear(4, 4, dtype=dtype)):
+        assert any(isinstance(m, PackedLinear) for m in lean_engine.model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in plain_engine.model.modules())
+    lean, plain = decode_logits(lean_engine, prompt, steps), decode_logits(plain_engine, prompt, steps)
+    torch.testing.assert_close(lean.float(), plain.float(), atol=tol, rtol=0)
+    if dtype == torch.float32:
+        assert lean.argmax(-1).tolist() == plain.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_linear(num_rows, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80, bias=bias, dtype=torch.bfloat16)
+    if not can_pack(linear):
+        pytest.skip("this torch has no oneDNN packed linear")
+    x = torch.randn(1, num_rows, 96, dtype=torch.bfloat16)
+    want = linear(x)
+    got = PackedLinear(linear)(x)
+    assert got.shape == want.shape == (1, num_rows, 80)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1e-2)
+
+
+def test_only_exact_bf16_linears_are_packed():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, dtype=torch.bfloat16), nn.Embedding(4, 8))
+    expected = 1 if can_pack(model[1]) else 0
+    assert pack_linears_(model) == expected
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Embedding
 
 
 def test_lean_step_gives_the_same_greedy_text_on_smollm2(smollm2):

@@ -15,6 +15,7 @@ import torch
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, chain_hash
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.kv_pool import KVPool
+from kvchat.engine.packed_linear import pack_linears_
 from kvchat.engine.paged_cache import ForwardCache, KVWorkspace
 from kvchat.engine.sequence import Sequence
 from kvchat.errors import CacheFullError
@@ -42,7 +43,8 @@ class Engine:
         lean_decode: bool = True,
     ):
         self.model = model
-        # the lean step where the model's family allows it, else the module forward (None)
+        if lean_decode:  # bf16 linears packed for oneDNN (in place), and the lean step where it fits
+            pack_linears_(model)
         self._decode_step = make_decode_step(model) if lean_decode else None
         self.block_size, self.prefill_chunk = block_size, prefill_chunk
         param = next(model.parameters())
