@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationStep, generate
+from kvchat.engine.packed_linear import PackedLinear
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import Speculation
 
@@ -73,9 +74,11 @@ def make_big_model(kind: str):
 
 
 def model_bytes(model) -> int:
-    """Bytes of the weights (a tied embedding once: the output layer reads it whole every token)."""
+    """Bytes of the weights (a tied embedding once: the output layer reads it whole every token; a
+    packed linear's opaque weight as the bf16 matrix it holds)."""
     tensors = {t.data_ptr(): t.nbytes for t in [*model.parameters(), *model.buffers()]}
-    return sum(tensors.values())
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    return sum(tensors.values()) + sum(2 * m.in_features * m.out_features for m in packed)
 
 
 class KvchatRunner:
