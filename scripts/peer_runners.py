@@ -74,9 +74,13 @@ def make_big_model(kind: str):
 
 
 def model_bytes(model) -> int:
-    """Bytes of the weights (a tied embedding once: the output layer reads it whole every token; a
-    packed linear's opaque weight as the bf16 matrix it holds)."""
-    tensors = {t.data_ptr(): t.nbytes for t in [*model.parameters(), *model.buffers()]}
+    """Bytes a decode step reads: every weight but the input embedding (one row a token), which counts
+    only where it is the output layer too (tied); a packed linear's as the bf16 matrix it holds."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tensors = {t.data_ptr(): t.nbytes for t in [*model.parameters(), *model.buffers()] if t is not embedding}
+    if getattr(head, "weight", None) is embedding:
+        tensors[embedding.data_ptr()] = embedding.nbytes
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     return sum(tensors.values()) + sum(2 * m.in_features * m.out_features for m in packed)
 
