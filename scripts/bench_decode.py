@@ -1,5 +1,7 @@
-"""Decode speed, side by side in one run: kvchat's paged loop and transformers' model.generate, on the
-same model, dtype, threads and prompt.
+"""Decode speed, side by side in one run: kvchat's paged loop with its lean decode step and with the
+module forward, and transformers' model.generate, on the same model, dtype, threads and prompt. (The
+lean engine packs the model's bf16 linears in place, so once it exists the other variants run on the
+packed linears too: the rows compare the decode loops, not the weight layout.)
 
     python scripts/bench_decode.py --dtype bf16 --contexts 512 4096 --tokens 64 --repeats 5
 
@@ -54,9 +56,9 @@ def generate_runner(model, prompt: list[int], tokens: int) -> Callable[[], float
     return lambda: tokens / (timed(tokens + 1) - timed(1))  # the difference is the decode of `tokens`
 
 
-def kvchat_runner(model, tokenizer, prompt: list[int], tokens: int) -> Callable[[], float]:
+def kvchat_runner(model, tokenizer, prompt: list[int], tokens: int, lean: bool = True) -> Callable[[], float]:
     """One run: kvchat's decode tokens/s after the same prefix, prefilled once."""
-    engine = Engine(model, kv_memory_bytes=1 << 30, block_size=16, prefill_chunk=512)
+    engine = Engine(model, kv_memory_bytes=1 << 30, block_size=16, prefill_chunk=512, lean_decode=lean)
     seq = engine.start(prompt)
     engine.compute(seq, until=len(prompt) - 1)
     params = SamplingParams(max_tokens=tokens + 1)
@@ -84,6 +86,7 @@ def main() -> None:
         prompt = prompt_of(tokenizer, context)
         runners = {
             "model.generate": generate_runner(model, prompt, args.tokens),
+            "kvchat, module forward": kvchat_runner(model, tokenizer, prompt, args.tokens, lean=False),
             "kvchat": kvchat_runner(model, tokenizer, prompt, args.tokens),
         }
         rates: dict[str, list[float]] = {name: [] for name in runners}

@@ -11,7 +11,9 @@ import itertools
 import torch
 
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, chain_hash
+from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.kv_pool import KVPool
+from kvchat.engine.packed_linear import pack_linears_
 from kvchat.engine.paged_cache import ForwardCache, KVWorkspace
 from kvchat.engine.sequence import Sequence
 from kvchat.errors import CacheFullError
@@ -35,8 +37,12 @@ class Engine:
         kv_memory_bytes: int,
         block_size: int,
         prefill_chunk: int,
+        lean_decode: bool = True,
     ):
         self.model = model
+        if lean_decode:  # bf16 linears packed for oneDNN (in place), and the lean step where it fits
+            pack_linears_(model)
+        self._decode_step = make_decode_step(model) if lean_decode else None
         self.block_size, self.prefill_chunk = block_size, prefill_chunk
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -176,18 +182,21 @@ class Engine:
         position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, q)
         slots = self._slots(seq, start, end) if self.pool is not None else None
         self._cache.bind(start, end - start, slots)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            past_key_values=self._cache,
-            use_cache=True,
-            logits_to_keep=0 if all_logits else 1,
-        )
+        if self._decode_step is not None and end - start <= MAX_LEAN_TOKENS:
+            logits = self._decode_step(input_ids, position_ids, self._cache, end - start if all_logits else 1)
+        else:
+            logits = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                past_key_values=self._cache,
+                use_cache=True,
+                logits_to_keep=0 if all_logits else 1,
+            ).logits[0]
         seq.num_computed = end
         self.workspace.owner = (seq.seq_id, seq.kv_version)
         if record:
             self._record(seq)
-        return out.logits[0]  # (q, V) or (1, V)
+        return logits  # (q, V) or (1, V)
 
     def _load_workspace(self, seq: Sequence, start: int) -> None:
         ws = self.workspace

@@ -1,0 +1,186 @@
+"""kvchat against llama.cpp (llama-cpp-python, the `bench` extra) on the packaged SmolLM2-135M, side by
+side in one run, one thread, greedy, the variants taking turns:
+
+    python scripts/bench_peer.py                      # every part, ~10 minutes on a quiet machine
+    python scripts/bench_peer.py --parts decode --contexts 50 --variants kvchat-bf16 llama-BF16
+
+Variants: kvchat-<bf16|fp32>[-int8|-int4][-spec] (a quantized kind needs kvchat.models.quantize;
+-spec drafts by prompt lookup) and llama-<BF16|Q8_0|Q4_1> (GGUF files of the packaged weights,
+scripts/peer_gguf.py). Parts: decode (tok/s and weight GB/s after ~50 and ~4,000 tokens of context,
+a free-writing and a copying prompt), ttft (cold, ~2,000 tokens; turn 2 reusing the first turn),
+bandwidth (one-thread read of 256 MB), big (a random-weight model shaped as Qwen2.5-3B, kvchat only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from peer_gguf import packaged_as
+from peer_runners import KvchatRunner, LlamaRunner, Runner, make_big_model, make_kvchat_models
+from transformers import AutoTokenizer
+
+from kvchat.models.packaged import ensure_converted
+
+PASSAGE = (
+    "The lighthouse keeper wrote in his log each night: the wind from the west, the lamp trimmed at "
+    "dusk, two fishing boats in before the storm, a gull asleep on the rail, the tide turning at nine. "
+)
+FREE = "Write a new story about a baker who finds a map inside a loaf of bread."
+COPY = "Copy the last paragraph of the log above, word for word."
+PARTS = ("bandwidth", "decode", "ttft", "big")
+DEFAULT_VARIANTS = [
+    "kvchat-bf16",
+    "kvchat-fp32",
+    "kvchat-bf16-spec",
+    "kvchat-fp32-spec",
+    "llama-BF16",
+    "llama-Q8_0",
+    "llama-Q4_1",
+]
+
+
+def chat_ids(tokenizer, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
+        )
+    )
+
+
+def passage_prompt(tokenizer, num_tokens: int, request: str) -> list[int]:
+    """A chat prompt of about `num_tokens`: a log of repeated lines, then the request."""
+    budget = max(0, num_tokens - len(chat_ids(tokenizer, [{"role": "user", "content": request}])))
+    words = tokenizer.decode(tokenizer.encode(PASSAGE * (1 + budget // 30))[:budget])
+    return chat_ids(tokenizer, [{"role": "user", "content": f"{words}\n\n{request}"}])
+
+
+def read_bandwidth() -> float:
+    """GB/s of a one-thread sum over a 256 MB fp32 tensor (median of five)."""
+    data = torch.ones(64 << 20)
+    rates = []
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        rates.append(data.nbytes / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
+
+
+def make_runners(names: list[str], tokenizer) -> dict[str, Runner]:
+    models = make_kvchat_models(ensure_converted(), [n for n in names if n.startswith("kvchat-")])
+    runners: dict[str, Runner] = {}
+    for name in names:
+        if name.startswith("llama-"):
+            runners[name] = LlamaRunner(packaged_as(name.removeprefix("llama-")))
+        else:
+            key = name.removesuffix("-spec")
+            runners[name] = KvchatRunner(models[key], tokenizer, speculate=name.endswith("-spec"))
+    return runners
+
+
+def table(title: str, header: str, rows: list[str]) -> None:
+    print(f"\n{title}\n\n{header}")
+    print("|" + "|".join(["---"] + ["---:"] * (header.count("|") - 2)) + "|")
+    for row in rows:
+        print(row)
+
+
+def run_decode(runners: dict[str, Runner], tokenizer, args) -> None:
+    rows = []
+    for context in args.contexts:
+        for kind, request in (("free", FREE), ("copy", COPY)):
+            prompt = passage_prompt(tokenizer, context, request)
+            for runner in runners.values():  # prefill once, outside the timing
+                runner.decode(prompt, 2)
+            rates: dict[str, list[float]] = {name: [] for name in runners}
+            for _ in range(args.repeats):
+                for name, runner in runners.items():
+                    rates[name].append(runner.decode(prompt, args.tokens))
+            base = rates.get(args.baseline)
+            for name, rs in rates.items():
+                ratio = statistics.median(r / b for r, b in zip(rs, base, strict=True)) if base else 0
+                rate = statistics.median(rs)
+                gbs = rate * runners[name].weight_bytes / 1e9
+                rows.append(f"| {len(prompt)} | {kind} | {name} | {rate:.1f} | {gbs:.1f} | {ratio:.2f}x |")
+    table(
+        f"Decode, {args.tokens} greedy tokens, median of {args.repeats} (ratio: paired, to {args.baseline})",
+        "| context | prompt | variant | tok/s | weights GB/s | ratio |",
+        rows,
+    )
+
+
+def run_ttft(runners: dict[str, Runner], tokenizer, args) -> None:
+    timed = {name: runner for name, runner in runners.items() if not name.endswith("-spec")}
+    first = [{"role": "user", "content": tokenizer.decode(passage_prompt(tokenizer, args.ttft_tokens, FREE))}]
+    first_ids = chat_ids(tokenizer, first)
+    answered = [*first, {"role": "assistant", "content": "Once upon a time there was a baker named Rosa."}]
+    second = [*answered, {"role": "user", "content": "Now give her a brother who is a sailor."}]
+    turn1_ids, turn2_ids = chat_ids(tokenizer, answered, generation_prompt=False), chat_ids(tokenizer, second)
+    cold: dict[str, list[float]] = {name: [] for name in timed}
+    warm: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(args.repeats):
+        for name, runner in timed.items():
+            cold[name].append(runner.ttft_cold(first_ids))
+            warm[name].append(runner.ttft_turn2(turn1_ids, turn2_ids))
+    rows = [
+        f"| {name} | {statistics.median(cold[name]):.2f} | {statistics.median(warm[name]):.3f} |"
+        for name in timed
+    ]
+    table(
+        f"TTFT (s): cold over {len(first_ids)} tokens; turn 2 over {len(turn2_ids)}, "
+        f"{len(turn2_ids) - len(turn1_ids)} past the first turn",
+        "| variant | cold | turn 2 |",
+        rows,
+    )
+
+
+def run_big(args) -> None:
+    kinds = [k for k in ("bf16", "bf16-int8", "bf16-int4") if k == "bf16" or f"kvchat-{k}" in args.variants]
+    rows = []
+    for kind in kinds:
+        model = make_big_model(kind)
+        runner = KvchatRunner(model, None, speculate=False)
+        prompt = list(range(1000, 1050))
+        runner.decode(prompt, 2)
+        rate = statistics.median(runner.decode(prompt, args.big_tokens) for _ in range(args.repeats))
+        rows.append(f"| {kind} | {rate:.2f} | {rate * runner.weight_bytes / 1e9:.1f} |")
+        del model, runner
+    table(
+        "Random-weight model with Qwen2.5-3B's shapes, ~50 tokens of context",
+        "| kvchat | tok/s | GB/s |",
+        rows,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    parser.add_argument("--baseline", default="llama-BF16", help="the variant ratios are taken to")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[50, 4000])
+    parser.add_argument("--tokens", type=int, default=24, help="decoded tokens per timed run")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ttft-tokens", type=int, default=2000)
+    parser.add_argument("--big-tokens", type=int, default=6)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(ensure_converted())
+    runners = make_runners(args.variants, tokenizer) if {"decode", "ttft"} & set(args.parts) else {}
+    if "bandwidth" in args.parts:
+        print(f"one-thread read bandwidth: {read_bandwidth():.1f} GB/s")
+    if "decode" in args.parts:
+        run_decode(runners, tokenizer, args)
+    if "ttft" in args.parts:
+        run_ttft(runners, tokenizer, args)
+    if "bandwidth" in args.parts:
+        print(f"\none-thread read bandwidth, again: {read_bandwidth():.1f} GB/s")
+    if "big" in args.parts:
+        run_big(args)
+
+
+if __name__ == "__main__":
+    main()

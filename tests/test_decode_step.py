@@ -1,0 +1,167 @@
+"""The decode fast paths equal the plain ones: grouped attention against SDPA, the lean decode step
+against the module forward (logits and greedy text)."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvchat.engine.decode_attention import grouped_attention
+from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
+from kvchat.engine.detokenizer import StreamDetokenizer
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import generate
+from kvchat.engine.packed_linear import PackedLinear, can_pack, pack_linears_
+from kvchat.engine.sampling import SamplingParams
+from tests.tiny_models import KINDS, make_tiny_model
+
+
+def sdpa_reference(query, keys, values, scaling):
+    """SDPA with K/V repeated per query head and an explicit causal mask for the last q positions."""
+    group = query.shape[1] // keys.shape[1]
+    num_new, length = query.shape[2], keys.shape[2]
+    allowed = torch.arange(length)[None] <= torch.arange(length - num_new, length)[:, None]  # (q, T)
+    out = F.scaled_dot_product_attention(
+        query.float(),
+        keys.repeat_interleave(group, dim=1).float(),
+        values.repeat_interleave(group, dim=1).float(),
+        attn_mask=allowed,
+        scale=scaling,
+    )  # (1, Hq, q, D)
+    return out.transpose(1, 2).reshape(1, num_new, -1)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_new", [1, 5])
+@pytest.mark.parametrize("length", [7, 300])
+def test_grouped_attention_equals_sdpa(dtype, tol, num_new, length):
+    torch.manual_seed(0)
+    query = torch.randn(1, 6, num_new, 16).to(dtype)
+    keys, values = torch.randn(1, 2, length, 16).to(dtype), torch.randn(1, 2, length, 16).to(dtype)
+    got = grouped_attention(query, keys, values, 0.25)
+    torch.testing.assert_close(got.float(), sdpa_reference(query, keys, values, 0.25), atol=tol, rtol=0)
+
+
+def test_attention_of_non_contiguous_workspace_views():
+    torch.manual_seed(1)
+    workspace = torch.randn(1, 2, 64, 16)  # a capacity larger than what is used, as KVWorkspace keeps
+    query = torch.randn(1, 4, 3, 16).transpose(1, 2).contiguous().transpose(1, 2)  # as after a projection
+    got = grouped_attention(query, workspace[:, :, :40], workspace[:, :, :40], 0.25)
+    want = sdpa_reference(query, workspace[:, :, :40].contiguous(), workspace[:, :, :40].contiguous(), 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def random_ids(n, seed=0, vocab=512):
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lean_step_is_chosen_for_the_supported_families(kind):
+    model = make_tiny_model(kind)
+    assert make_decode_step(model) is not None
+    assert (
+        Engine(
+            model, kv_memory_bytes=1 << 22, block_size=16, prefill_chunk=512, lean_decode=False
+        )._decode_step
+        is None
+    )
+
+
+def decode_logits(engine, prompt, steps):
+    """Logits of the prompt's last token, then of each step's token and of a speculation-sized block."""
+    seq = engine.start(prompt)
+    out = [engine.compute(seq)]
+    for token in steps:
+        engine.extend(seq, [token])
+        out.append(engine.compute(seq))
+    engine.extend(seq, random_ids(MAX_LEAN_TOKENS, seed=3))
+    out.extend(engine.compute(seq, all_logits=True))
+    engine.free(seq)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
+def test_lean_step_equals_module_forward(kind, dtype, tol):
+    """Lean step (with bf16 linears packed) against the module forward of an untouched twin model."""
+    prompt, steps = random_ids(37), random_ids(5, seed=2)
+    lean_engine = Engine(
+        make_tiny_model(kind, dtype=dtype), kv_memory_bytes=1 << 22, block_size=16, prefill_chunk=512
+    )
+    plain_engine = Engine(
+        make_tiny_model(kind, dtype=dtype),
+        kv_memory_bytes=1 << 22,
+        block_size=16,
+        prefill_chunk=512,
+        lean_decode=False,
+    )
+    if dtype == torch.bfloat16 and can_pack(nn.Linear(4, 4, dtype=dtype)):
+        assert any(isinstance(m, PackedLinear) for m in lean_engine.model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in plain_engine.model.modules())
+    lean, plain = decode_logits(lean_engine, prompt, steps), decode_logits(plain_engine, prompt, steps)
+    torch.testing.assert_close(lean.float(), plain.float(), atol=tol, rtol=0)
+    if dtype == torch.float32:
+        assert lean.argmax(-1).tolist() == plain.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_linear(num_rows, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80, bias=bias, dtype=torch.bfloat16)
+    if not can_pack(linear):
+        pytest.skip("this torch has no oneDNN packed linear")
+    x = torch.randn(1, num_rows, 96, dtype=torch.bfloat16)
+    want = linear(x)
+    got = PackedLinear(linear)(x)
+    assert got.shape == want.shape == (1, num_rows, 80)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1e-2)
+
+
+def test_only_exact_bf16_linears_are_packed():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, dtype=torch.bfloat16), nn.Embedding(4, 8))
+    expected = 1 if can_pack(model[1]) else 0
+    assert pack_linears_(model) == expected
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Embedding
+
+
+def test_lean_step_gives_the_same_greedy_text_on_smollm2(smollm2):
+    model, tokenizer = smollm2
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write two sentences about the sea."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    texts = []
+    for lean in (True, False):
+        engine = Engine(model, kv_memory_bytes=1 << 26, block_size=16, prefill_chunk=512, lean_decode=lean)
+        seq = engine.start(list(prompt))
+        params = SamplingParams(max_tokens=40)
+        steps = generate(engine, seq, params, frozenset(), StreamDetokenizer(tokenizer))
+        texts.append("".join(step.text for step in steps))
+        engine.free(seq)
+    assert texts[0] == texts[1] and len(texts[0]) > 40
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_lean_step_runs_quantized_linears_as_the_module_forward_does(mode):
+    """The lean step calls the model's own linear modules, so quantized ones give the module forward's
+    logits (the same kernels on the same inputs)."""
+    from kvchat.models.quantize import quantize_model
+
+    engines = []
+    for lean in (True, False):
+        model = make_tiny_model("qwen2", dtype=torch.float32)
+        assert quantize_model(model, mode).num_replaced > 0
+        engines.append(
+            Engine(model, kv_memory_bytes=1 << 22, block_size=16, prefill_chunk=512, lean_decode=lean)
+        )
+    assert engines[0]._decode_step is not None
+    prompt, steps = random_ids(37), random_ids(5, seed=2)
+    lean, plain = (decode_logits(engine, prompt, steps) for engine in engines)
+    torch.testing.assert_close(lean, plain, atol=1e-3, rtol=0)
+    assert lean.argmax(-1).tolist() == plain.argmax(-1).tolist()
