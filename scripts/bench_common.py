@@ -11,6 +11,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from kvchat.models.packaged import ensure_converted
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Qwen2.5-3B's shapes, for a random-weight model: noise as text, real speed
+QWEN25_3B = dict(
+    hidden_size=2048,
+    num_hidden_layers=36,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    intermediate_size=11008,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+)
 
 
 def model_parser(doc: str | None) -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ import time
 from itertools import chain
 
 import torch
-from bench_common import decode_tokens_per_s
+from bench_common import QWEN25_3B, decode_tokens_per_s
 from bench_dtype import TEXT as RHINE
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -47,16 +47,6 @@ TEXT = RHINE + (
     "made the river a symbol of the nation, and painters came to draw its rocks and ruined towers. Today "
     "the water is much cleaner than it was fifty years ago, when factories and towns still emptied their "
     "waste into it, and salmon have begun to return to some of its tributaries."
-)
-QWEN25_3B = dict(
-    hidden_size=2048,
-    num_hidden_layers=36,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    intermediate_size=11008,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=32768,
 )
 
 

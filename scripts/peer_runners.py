@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from bench_common import DTYPES, QWEN25_3B
 from peer_gguf import weight_bytes
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -17,18 +18,6 @@ from kvchat.engine.generate import GenerationStep, generate
 from kvchat.engine.packed_linear import PackedLinear
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import Speculation
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-QWEN25_3B = dict(
-    hidden_size=2048,
-    num_hidden_layers=36,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    intermediate_size=11008,
-    vocab_size=151936,
-    max_position_embeddings=32768,
-    tie_word_embeddings=True,
-)
 
 
 class Runner(Protocol):
