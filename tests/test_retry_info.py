@@ -112,3 +112,18 @@ def test_notes_go_to_a_terminal_only(monkeypatch):
     err = io.StringIO()
     UI(err_file=err, json_lines=True).note("working")
     assert err.getvalue() == ""
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
+def test_model_info_counts_packed_and_quantized_weights_as_before(quantize):
+    """Packed bf16 linears and quantized ones keep no weight parameter; /info still counts each weight
+    once, the tied output layer included once."""
+    from kvchat.models.info import num_weights
+    from kvchat.models.quantize import quantize_model
+
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    expected = sum(p.numel() for p in model.parameters())
+    quantize_model(model, quantize)
+    Engine(model, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512)  # packs what it can
+    assert sum(p.numel() for p in model.parameters()) < expected  # the count below has work to do
+    assert num_weights(model) == expected

@@ -59,7 +59,7 @@ def model_info(
         model_id=model_id,
         family=str(getattr(config, "model_type", "") or "unknown"),
         architecture=", ".join(getattr(config, "architectures", None) or [type(model).__name__]),
-        num_parameters=sum(p.numel() for p in model.parameters()),
+        num_parameters=num_weights(model),
         dtype=DTYPE_NAMES.get(param.dtype, str(param.dtype).removeprefix("torch.")),
         context_length=getattr(config, "max_position_embeddings", None),
         chat_template=template_family(chat_template),
@@ -70,6 +70,22 @@ def model_info(
         device=str(param.device),
         threads=torch.get_num_threads(),
     )
+
+
+def num_weights(model: Any) -> int:
+    """The model's weights, counting a packed or quantized linear layer (whose weight is no parameter)
+    as the in x out weights it stands for, and a tied output layer once."""
+    from torch import nn
+
+    total = sum(p.numel() for p in model.parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for module in model.modules():
+        if isinstance(getattr(module, "weight", None), nn.Parameter) or not hasattr(module, "out_features"):
+            continue
+        if not (tied and module is output):
+            total += module.in_features * module.out_features
+    return total
 
 
 def template_family(template: str | None) -> str:
