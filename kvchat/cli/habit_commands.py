@@ -17,8 +17,10 @@ if TYPE_CHECKING:
 @command("retry", "Generate the last answer again, in its place")
 def retry(self: Shell, arg: str) -> InferenceStream:
     """Answers again what the newest output answered (a chat message or /infer), from the same
-    context: with sampling a new sample, greedily (temperature 0) the same answer. The answer it
-    replaces is deleted: its output number is not used again, its text is gone, and its KV blocks
+    context: with sampling a new sample, greedily (temperature 0) the same answer in fp32. In bf16 it
+    can differ at a near tie: the retry computes the last prompt token alone, where the first answer
+    had it from a batched prefill, and bf16 rounds the two differently. The answer it replaces is
+    deleted: its output number is not used again, its text is gone, and its KV blocks
     stay cached (reusable) until evicted. A chat answer's message stays in the conversation, with
     the new answer after it. Refused when the context changed since that answer (say, a new /query
     or /system), or when that output is itself in the context (/use-output).
