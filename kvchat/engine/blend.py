@@ -28,7 +28,7 @@ def recompute_selected(
     `schedule[j]` others that deviate most (non-increasing). Returns the positions run through each
     layer after the probe layer."""
     end = seq.num_computed
-    assert engine.pool is not None and len(forced) == end - start and 0 <= probe_layer < engine.num_layers
+    assert len(forced) == end - start and 0 <= probe_layer < engine.num_layers
     assert len(schedule) == engine.num_layers - 1 - probe_layer
     assert all(a >= b for a, b in zip(schedule, schedule[1:], strict=False)), schedule
     assert seq.exact_limit <= start, "selective recompute never writes over exact KV"

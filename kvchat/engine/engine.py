@@ -180,7 +180,7 @@ class Engine:
         self._load_workspace(seq, start)
         input_ids = torch.tensor([seq.token_ids[start:end]], device=self.device)  # (1, q)
         position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, q)
-        slots = self._slots(seq, start, end) if self.pool is not None else None
+        slots = self._slots(seq, start, end)
         self._cache.bind(start, end - start, slots)
         if self._decode_step is not None and end - start <= MAX_LEAN_TOKENS:
             logits = self._decode_step(input_ids, position_ids, self._cache, end - start if all_logits else 1)
@@ -203,11 +203,7 @@ class Engine:
         if ws.owner == (seq.seq_id, seq.kv_version) and ws.length >= start:
             ws.length = start
             return
-        if self.pool is None:
-            assert start == 0, "a contiguous engine cannot resume a sequence it does not hold"
-            ws.length = 0
-        else:
-            ws.load(*self.pool.gather(self._slots(seq, 0, start)))
+        ws.load(*self.pool.gather(self._slots(seq, 0, start)))
         ws.owner = (seq.seq_id, seq.kv_version)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:

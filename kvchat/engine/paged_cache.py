@@ -81,14 +81,14 @@ class _PagedLayer(CacheLayerMixin):
 class ForwardCache(Cache):
     """The cache object of one forward pass over positions start..start+q of the workspace's sequence."""
 
-    def __init__(self, workspace: KVWorkspace, pool: KVPool | None):
+    def __init__(self, workspace: KVWorkspace, pool: KVPool):
         super().__init__(layers=[_PagedLayer(self, i) for i in range(workspace.num_layers)])
         self.workspace, self.pool = workspace, pool
         self.start = 0
         self.slots: torch.Tensor | None = None
 
-    def bind(self, start: int, num_new: int, slots: torch.Tensor | None) -> None:
-        """Prepare for a forward of `num_new` tokens at `start`, writing to pool `slots` (None: no pool)."""
+    def bind(self, start: int, num_new: int, slots: torch.Tensor) -> None:
+        """Prepare for a forward of `num_new` tokens at `start`, writing to pool `slots`."""
         assert self.workspace.length == start, (self.workspace.length, start)
         self.workspace.reserve(start + num_new)
         self.start, self.slots = start, slots
@@ -99,9 +99,8 @@ class ForwardCache(Cache):
         ws_k, ws_v = self.workspace.keys[layer], self.workspace.values[layer]
         ws_k[:, :, self.start : end] = keys
         ws_v[:, :, self.start : end] = values
-        if self.pool is not None:
-            assert self.slots is not None
-            self.pool.write(layer, self.slots, keys, values)
+        assert self.slots is not None
+        self.pool.write(layer, self.slots, keys, values)
         if layer == self.workspace.num_layers - 1:
             self.workspace.length = end
         return ws_k[:, :, :end], ws_v[:, :, :end]  # (1, H, start+q, D)
