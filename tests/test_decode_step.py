@@ -1,6 +1,7 @@
 """The decode fast paths equal the plain ones: grouped attention against SDPA, the lean decode step
 against the module forward (logits and greedy text)."""
 
+import itertools
 import random
 
 import pytest
@@ -8,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.engine.decode_attention import grouped_attention
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.packed_linear import PackedLinear, can_pack, pack_linears_
+from kvchat.engine.paged_attention import grouped_attention
 from kvchat.engine.sampling import SamplingParams
 from tests.tiny_models import KINDS, make_tiny_model
 
@@ -33,24 +34,32 @@ def sdpa_reference(query, keys, values, scaling):
     return out.transpose(1, 2).reshape(1, num_new, -1)
 
 
+def pool_runs(keys, values, sizes):
+    """(1, Hk, T, D) K/V laid out as the pool holds them, among other slots, and read as runs of `sizes`."""
+    pool_k, pool_v = (torch.cat([x[0], torch.zeros_like(x[0])], dim=1) for x in (keys, values))  # (Hk, 2T, D)
+    bounds = [0, *itertools.accumulate(sizes)]
+    assert bounds[-1] == keys.shape[2]
+    return [(pool_k[:, a:b], pool_v[:, a:b]) for a, b in itertools.pairwise(bounds)]
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_new", [1, 5])
-@pytest.mark.parametrize("length", [7, 300])
-def test_grouped_attention_equals_sdpa(dtype, tol, num_new, length):
+@pytest.mark.parametrize("sizes", [[7], [300], [1, 6], [64, 16, 200, 20]])
+def test_grouped_attention_over_runs_equals_sdpa(dtype, tol, num_new, sizes):
     torch.manual_seed(0)
+    length = sum(sizes)
     query = torch.randn(1, 6, num_new, 16).to(dtype)
     keys, values = torch.randn(1, 2, length, 16).to(dtype), torch.randn(1, 2, length, 16).to(dtype)
-    got = grouped_attention(query, keys, values, 0.25)
+    got = grouped_attention(query, pool_runs(keys, values, sizes), 0.25)
     torch.testing.assert_close(got.float(), sdpa_reference(query, keys, values, 0.25), atol=tol, rtol=0)
 
 
-def test_attention_of_non_contiguous_workspace_views():
+def test_grouped_attention_of_a_query_laid_out_as_after_a_projection():
     torch.manual_seed(1)
-    workspace = torch.randn(1, 2, 64, 16)  # a capacity larger than what is used, as KVWorkspace keeps
-    query = torch.randn(1, 4, 3, 16).transpose(1, 2).contiguous().transpose(1, 2)  # as after a projection
-    got = grouped_attention(query, workspace[:, :, :40], workspace[:, :, :40], 0.25)
-    want = sdpa_reference(query, workspace[:, :, :40].contiguous(), workspace[:, :, :40].contiguous(), 0.25)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    keys, values = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    query = torch.randn(1, 4, 3, 16).transpose(1, 2).contiguous().transpose(1, 2)
+    got = grouped_attention(query, pool_runs(keys, values, [40]), 0.25)
+    torch.testing.assert_close(got, sdpa_reference(query, keys, values, 0.25), atol=1e-5, rtol=0)
 
 
 def random_ids(n, seed=0, vocab=512):

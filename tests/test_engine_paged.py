@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvchat.engine.engine import Engine
+from kvchat.engine.paged_attention import MAX_RUNS, slot_runs
 from tests.tiny_models import KINDS, make_tiny_model
 
 
@@ -66,16 +67,36 @@ def test_all_cached_prompt_still_yields_logits(model):
     assert (last - full_logits(model, ids)[-1]).abs().max() <= 1e-4
 
 
-def test_workspace_switches_between_sequences(model):
-    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=8, prefill_chunk=512)
-    a, b = random_ids(20, seed=4), random_ids(25, seed=5)
-    seq_a, seq_b = engine.start(a), engine.start(b)
-    engine.compute(seq_a)
-    engine.compute(seq_b)
-    engine.extend(seq_a, [9])
-    assert (engine.compute(seq_a) - full_logits(model, a + [9])[-1]).abs().max() <= 1e-4
-    engine.extend(seq_b, [11])
-    assert (engine.compute(seq_b) - full_logits(model, b + [11])[-1]).abs().max() <= 1e-4
+@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize("lean_decode", [True, False])
+def test_sequences_decoding_in_turn_equal_full_forward(model, block_size, lean_decode):
+    """Two sequences decoding in turn take blocks in turn: attention reads their K/V in place, in many
+    runs (gathered beyond MAX_RUNS), never from a copy of another sequence."""
+    engine = Engine(
+        model, kv_memory_bytes=1 << 22, block_size=block_size, prefill_chunk=512, lean_decode=lean_decode
+    )
+    ids = {"a": random_ids(20, seed=4), "b": random_ids(25, seed=5)}
+    seqs = {name: engine.start(tokens) for name, tokens in ids.items()}
+    for seq in seqs.values():
+        engine.compute(seq)
+    for step in range(12):
+        for name, seq in seqs.items():
+            token = 7 + step
+            engine.extend(seq, [token])
+            ids[name].append(token)
+            assert (engine.compute(seq) - full_logits(model, ids[name])[-1]).abs().max() <= 1e-4
+    runs = [len(slot_runs(seq.block_table, block_size, seq.num_computed)) for seq in seqs.values()]
+    assert min(runs) > (MAX_RUNS if block_size == 1 else 1)
+
+
+def test_blocks_taken_one_by_one_lie_in_one_run(model):
+    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=2, prefill_chunk=512)
+    seq = engine.start(random_ids(9, seed=6))
+    engine.compute(seq)
+    for token in range(20):
+        engine.extend(seq, [token])
+        engine.compute(seq)
+    assert slot_runs(seq.block_table, 2, seq.num_computed) == [(0, seq.num_computed)]
 
 
 def test_rerotated_layer0_keys_equal_keys_computed_at_new_positions(model):

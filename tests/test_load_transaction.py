@@ -57,7 +57,7 @@ def snapshot(cm: ContextManager) -> tuple:
     pool = cm.engine.pool
     assert pool is not None
     bs = cm.engine.block_size
-    kv = [pool.keys[:, b.block_id * bs : (b.block_id + 1) * bs].clone() for b in kept]
+    kv = [pool.keys[:, :, b.block_id * bs : (b.block_id + 1) * bs].clone() for b in kept]
     return (
         copy.deepcopy(cm.registry),
         (cm.system, list(cm.middle), list(cm.turns), cm.query),

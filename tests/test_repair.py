@@ -206,7 +206,6 @@ def test_interrupted_recompute_gives_every_block_back(taper, tokenizer, monkeypa
     assert cancelled.finish_reason == "cancelled" and cancelled.output_number is None
     assert calls and blocks.num_free == free_before
     blocks.check_invariants()
-    assert cm.engine.workspace.owner is None
     monkeypatch.undo()
     result = list(cm.infer(ONE))[-1]  # still usable, and the recompute happens again
     assert sum(r.num_recomputed for r in result.chunks) > 0

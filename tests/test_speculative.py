@@ -325,5 +325,5 @@ def test_partly_wrong_drafts_give_the_plain_answer(model):
             generate(engine, seq, params, frozenset(), StreamDetokenizer(CharTokenizer()), speculation)
         )
         outputs.append([s.token_id for s in steps])
-        assert seq.num_computed == seq.num_tokens - 1 and engine.workspace.length == seq.num_computed
+        assert seq.num_computed == seq.num_tokens - 1
     assert outputs[1] == outputs[0]

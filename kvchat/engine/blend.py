@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvchat.engine.engine import Engine
-from kvchat.engine.paged_cache import SelectiveCache
+from kvchat.engine.paged_attention import PagedKV, SelectiveCache
 from kvchat.engine.sequence import Sequence
 
 
@@ -33,21 +33,18 @@ def recompute_selected(
     assert all(a >= b for a, b in zip(schedule, schedule[1:], strict=False)), schedule
     assert seq.exact_limit <= start, "selective recompute never writes over exact KV"
     base = getattr(engine.model, "model", engine.model)
-    ws = engine.workspace
-    ws.owner = None  # it is rewritten below; if interrupted, nothing trusts it
-    seq.kv_version += 1
-    ws.load(*engine.pool.gather(_tensor(seq.slots(0, end), engine.device)))
     narrowing = [probe_layer] + [
         probe_layer + j for j in range(1, len(schedule)) if schedule[j] < schedule[j - 1]
     ]  # the layers after which fewer positions go on
-    cache = SelectiveCache(ws, engine.pool, end, set(narrowing))
+    kv = PagedKV(engine.pool)
+    cache = SelectiveCache(kv, engine.num_layers, end, set(narrowing))
     positions = torch.arange(start, end, device=engine.device)  # (n,)
     must = torch.tensor(forced, dtype=torch.bool, device=engine.device)  # (n,)
     num_forced = int(must.sum())
     hidden = base.embed_tokens(_tensor(seq.token_ids[start:end], engine.device).unsqueeze(0))  # (1, n, d)
     ran: list[list[int]] = []
     for index, layer in enumerate(base.layers):
-        cache.bind(positions, _tensor(seq.slots_at(positions.tolist()), engine.device))
+        kv.bind(_tensor(seq.slots_at(positions.tolist()), engine.device), seq.block_table, end)
         cache.deviation = None
         position_ids = positions.unsqueeze(0)  # (1, q)
         out = layer(
@@ -68,7 +65,6 @@ def recompute_selected(
             keep = score.topk(count).indices.sort().values  # (k,)
             hidden, positions, must = hidden[:, keep], positions[keep], must[keep]  # (1, k, d), (k,), (k,)
         ran.append(positions.tolist())
-    ws.length, ws.owner = end, (seq.seq_id, seq.kv_version)
     return ran
 
 

@@ -14,7 +14,7 @@ from kvchat.engine.block_manager import ROOT_HASH, BlockManager, chain_hash
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.kv_pool import KVPool
 from kvchat.engine.packed_linear import pack_linears_
-from kvchat.engine.paged_cache import ForwardCache, KVWorkspace
+from kvchat.engine.paged_attention import ForwardCache, PagedKV
 from kvchat.engine.sequence import Sequence
 from kvchat.errors import CacheFullError
 
@@ -59,10 +59,8 @@ class Engine:
         self.pool = KVPool(
             self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
         )
-        self.workspace = KVWorkspace(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device
-        )
-        self._cache = ForwardCache(self.workspace, self.pool)
+        self._kv = PagedKV(self.pool)
+        self._cache = ForwardCache(self._kv, self.num_layers)
         self._seq_ids = itertools.count(1)
 
     @property
@@ -103,7 +101,7 @@ class Engine:
             self.blocks.acquire(block_id)
             seq.block_table.append(block_id)
         with self.blocks.hold(copy_from):  # kept from being evicted by the allocation below
-            seq.block_table += self.blocks.allocate(seq.num_blocks_needed - len(shared))
+            seq.block_table += self.blocks.allocate(seq.num_blocks_needed - len(shared), _last(shared))
             seq.num_computed = seq.num_recorded = len(shared) * self.block_size
             if copy_from:
                 assert match is not None
@@ -117,11 +115,12 @@ class Engine:
         """Append tokens to a sequence (their KV is computed by the next `compute`)."""
         seq.token_ids.extend(token_ids)
         if seq.num_blocks_needed > len(seq.block_table):
-            seq.block_table += self.blocks.allocate(seq.num_blocks_needed - len(seq.block_table))
+            missing = seq.num_blocks_needed - len(seq.block_table)
+            seq.block_table += self.blocks.allocate(missing, _last(seq.block_table))
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the tokens from `num_tokens` on, and their KV: blocks past the end go back unrecorded, a
-        block recorded with dropped tokens keeps only the kept ones, the workspace shortens with it.
+        block recorded with dropped tokens keeps only the kept ones.
         The dropped positions must be private to the sequence (anything it computed itself is)."""
         assert 0 <= num_tokens <= seq.num_tokens
         bs = self.block_size
@@ -130,9 +129,6 @@ class Engine:
         seq.num_computed = min(seq.num_computed, num_tokens)
         if seq.num_exact is not None:
             seq.num_exact = min(seq.num_exact, num_tokens)
-        ws = self.workspace
-        if ws.owner == (seq.seq_id, seq.kv_version):
-            ws.length = min(ws.length, seq.num_computed)
         dropped = seq.block_table[seq.num_blocks_needed :]
         del seq.block_table[seq.num_blocks_needed :]
         self.blocks.discard(dropped)
@@ -153,8 +149,6 @@ class Engine:
         """Release the sequence's blocks; their exact KV stays findable until evicted."""
         self.blocks.release(seq.block_table)
         seq.block_table = []
-        if self.workspace.owner and self.workspace.owner[0] == seq.seq_id:
-            self.workspace.clear()
 
     # -- running the model -------------------------------------------------------------------------
 
@@ -177,14 +171,13 @@ class Engine:
         return torch.cat(pieces) if all_logits else logits[-1]
 
     def _forward(self, seq: Sequence, start: int, end: int, all_logits: bool, record: bool) -> torch.Tensor:
-        self._load_workspace(seq, start)
         input_ids = torch.tensor([seq.token_ids[start:end]], device=self.device)  # (1, q)
         position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, q)
-        slots = self._slots(seq, start, end)
-        self._cache.bind(start, end - start, slots)
+        self._kv.bind(self._slots(seq, start, end), seq.block_table, end)
         if self._decode_step is not None and end - start <= MAX_LEAN_TOKENS:
-            logits = self._decode_step(input_ids, position_ids, self._cache, end - start if all_logits else 1)
+            logits = self._decode_step(input_ids, position_ids, self._kv, end - start if all_logits else 1)
         else:
+            self._cache.bind(start)
             logits = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -193,18 +186,9 @@ class Engine:
                 logits_to_keep=0 if all_logits else 1,
             ).logits[0]
         seq.num_computed = end
-        self.workspace.owner = (seq.seq_id, seq.kv_version)
         if record:
             self._record(seq)
         return logits  # (q, V) or (1, V)
-
-    def _load_workspace(self, seq: Sequence, start: int) -> None:
-        ws = self.workspace
-        if ws.owner == (seq.seq_id, seq.kv_version) and ws.length >= start:
-            ws.length = start
-            return
-        ws.load(*self.pool.gather(self._slots(seq, 0, start)))
-        ws.owner = (seq.seq_id, seq.kv_version)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         return torch.tensor(seq.slots(start, end), dtype=torch.long, device=self.device)
@@ -251,5 +235,8 @@ class Engine:
         if not exact:
             seq.num_exact = min(seq.exact_limit, start)
         seq.num_computed = end
-        seq.kv_version += 1
         self._record(seq)
+
+
+def _last(block_ids: list[int]) -> int | None:
+    return block_ids[-1] if block_ids else None

@@ -6,7 +6,9 @@ import torch
 
 
 class KVPool:
-    """Keys and values of every block, slot-major: slot = block_id * block_size + offset."""
+    """Keys and values of every block, head-major, slot = block_id * block_size + offset: a run of
+    consecutive slots of one layer is a (H, T, D) view with each head's positions contiguous, as
+    attention's matmuls read them."""
 
     def __init__(
         self,
@@ -19,9 +21,9 @@ class KVPool:
         device: torch.device,
     ):
         self.block_size = block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (L, S, H, D)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)  # (L, S, H, D)
+        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (L, H, S, D)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)  # (L, H, S, D)
 
     @staticmethod
     def bytes_per_block(
@@ -31,18 +33,19 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store one layer's new K/V, given as (1, H, q, D) the way attention produces them."""
-        self.keys[layer].index_copy_(0, slots, keys[0].transpose(0, 1))  # (q, H, D)
-        self.values[layer].index_copy_(0, slots, values[0].transpose(0, 1))
+        self.keys[layer].index_copy_(1, slots, keys[0])  # (H, q, D) into (H, S, D)
+        self.values[layer].index_copy_(1, slots, values[0])
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of every layer at these slots: (L, T, H, D) each."""
-        return self.keys.index_select(1, slots), self.values.index_select(1, slots)
+        keys, values = self.keys.index_select(2, slots), self.values.index_select(2, slots)  # (L, H, T, D)
+        return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
 
     def scatter(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store K/V of every layer, given as (L, T, H, D)."""
-        self.keys.index_copy_(1, slots, keys.to(self.keys.dtype))
-        self.values.index_copy_(1, slots, values.to(self.values.dtype))
+        self.keys.index_copy_(2, slots, keys.to(self.keys.dtype).transpose(1, 2))
+        self.values.index_copy_(2, slots, values.to(self.values.dtype).transpose(1, 2))
 
     def copy(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        keys, values = self.gather(src_slots)
-        self.scatter(dst_slots, keys, values)
+        self.keys.index_copy_(2, dst_slots, self.keys.index_select(2, src_slots))
+        self.values.index_copy_(2, dst_slots, self.values.index_select(2, src_slots))

@@ -14,7 +14,6 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose KV is written
     num_exact: int | None = None  # leading tokens whose KV is exact; None: all of them
     num_recorded: int = 0  # leading tokens already declared reusable to the block manager
-    kv_version: int = 0  # bumped when KV is written other than by a forward (copies, repositioning)
     block_hashes: list[int] = field(default_factory=list)  # chain hash after each full block, memoized
     indexed: bool = True  # whether its exact KV is declared reusable to the block manager
 
