@@ -107,8 +107,14 @@ class Inference:
             detok = StreamDetokenizer(
                 self.setup.tokenizer, think_ids=fmt.think_ids, skip_ids=self.setup.eos_token_ids
             )
+            speculation = self.setup.speculation
             steps = generate(
-                self.setup.engine, seq, self.params, self.setup.eos_token_ids, detok, self.setup.speculation
+                self.setup.engine,
+                seq,
+                self.params,
+                self.setup.eos_token_ids,
+                detok,
+                speculation if speculation.mode != "off" else None,  # off: the plain loop alone
             )
             try:
                 for step in steps:

@@ -60,7 +60,7 @@ def generate(
     prompt_tokens, reused = seq.num_tokens, seq.num_computed
     seen = _Seen(seq.token_ids, engine.device) if params.repetition_penalty != 1.0 else None
     drafter = speculation.make_drafter(engine.model.config.vocab_size) if speculation else None
-    budget = DraftBudget(speculation.draft_max if speculation else 0)
+    budget = DraftBudget(speculation.draft_max) if speculation and drafter else None
     t0 = time.perf_counter()
     num_kept = prompt_tokens  # the sequence up to the last token yielded
     try:
@@ -83,7 +83,7 @@ def generate(
                 decode_s += time.perf_counter() - t_step  # the consumer's time between steps is not counted
                 stats = GenerationStats(
                     *(prompt_tokens, reused, prompt_tokens - reused, n, ttft, t_prefill, decode_s),
-                    *(budget.num_drafted, budget.num_accepted),
+                    *((budget.num_drafted, budget.num_accepted) if budget else (0, 0)),
                 )
                 yield GenerationStep(token, text, thinking, finish, stats)
                 t_step = time.perf_counter()
@@ -92,10 +92,11 @@ def generate(
             if seen is not None:
                 seen.add(run)
             # Room for the drafts and the token sampled after them; no more than max_tokens.
-            size = (
-                min(budget.next_size(), params.max_tokens - n - 1, _room(engine, seq) - 1) if drafter else 0
-            )
-            drafts = drafter.propose(seq.token_ids, size) if drafter and size > 0 else []
+            if drafter is None or budget is None:
+                run = _advance(engine, seq, sampler, seen, [])
+                continue
+            size = min(budget.next_size(), params.max_tokens - n - 1, _room(engine, seq) - 1)
+            drafts = drafter.propose(seq.token_ids, size) if size > 0 else []
             run = _advance(engine, seq, sampler, seen, drafts)
             budget.update(len(drafts), len(run) - 1 if drafts else 0)
     except BaseException:  # Ctrl-C, an error, the stream closed: back to what was yielded, no more
