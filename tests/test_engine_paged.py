@@ -70,8 +70,9 @@ def test_all_cached_prompt_still_yields_logits(model):
 @pytest.mark.parametrize("block_size", [1, 4])
 @pytest.mark.parametrize("lean_decode", [True, False])
 def test_sequences_decoding_in_turn_equal_full_forward(model, block_size, lean_decode):
-    """Two sequences decoding in turn take blocks in turn: attention reads their K/V in place, in many
-    runs (gathered beyond MAX_RUNS), never from a copy of another sequence."""
+    """Two sequences decoding in turn take blocks in turn, so each lies in several runs of blocks
+    (block size 4) or more than MAX_RUNS (1); attention reads each from the pool alone, run by run or
+    slot by slot: the logits are still a full forward's."""
     engine = Engine(
         model, kv_memory_bytes=1 << 22, block_size=block_size, prefill_chunk=512, lean_decode=lean_decode
     )
@@ -79,24 +80,19 @@ def test_sequences_decoding_in_turn_equal_full_forward(model, block_size, lean_d
     seqs = {name: engine.start(tokens) for name, tokens in ids.items()}
     for seq in seqs.values():
         engine.compute(seq)
-    for step in range(12):
+    for step in range(20):
         for name, seq in seqs.items():
             token = 7 + step
             engine.extend(seq, [token])
             ids[name].append(token)
             assert (engine.compute(seq) - full_logits(model, ids[name])[-1]).abs().max() <= 1e-4
+    for name, seq in seqs.items():  # several new tokens at once, as speculation's drafts
+        engine.extend(seq, [3, 4, 5])
+        ids[name] += [3, 4, 5]
+        got = engine.compute(seq, all_logits=True)  # (3, V)
+        assert (got - full_logits(model, ids[name])[-3:]).abs().max() <= 1e-4
     runs = [len(slot_runs(seq.block_table, block_size, seq.num_computed)) for seq in seqs.values()]
     assert min(runs) > (MAX_RUNS if block_size == 1 else 1)
-
-
-def test_blocks_taken_one_by_one_lie_in_one_run(model):
-    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=2, prefill_chunk=512)
-    seq = engine.start(random_ids(9, seed=6))
-    engine.compute(seq)
-    for token in range(20):
-        engine.extend(seq, [token])
-        engine.compute(seq)
-    assert slot_runs(seq.block_table, 2, seq.num_computed) == [(0, seq.num_computed)]
 
 
 def test_rerotated_layer0_keys_equal_keys_computed_at_new_positions(model):

@@ -92,35 +92,24 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free
 
-    def allocate(self, num_blocks: int, after: int | None = None) -> list[int]:
-        """Fresh blocks, evicting the least recently released cached ones first. Each block is the one
-        right after the block before it (the first: after `after`) where that one is free and holds no
-        reusable KV, so that a sequence's KV lies in long runs that attention reads in place."""
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Fresh blocks, evicting the least recently released cached ones first."""
         if not self.can_allocate(num_blocks):
             raise CacheFullError(
                 f"KV cache full: {num_blocks} blocks needed, {self.num_free} free of {self.num_blocks}"
             )
         block_ids = []
         for _ in range(num_blocks):
-            block_id = self._take_next_to(after)
+            block_id, _ = self._unreferenced.popitem(last=False)
             self._forget(block_id)
             self.blocks[block_id].ref_count = 1
             self.blocks[block_id].generation += 1
             block_ids.append(block_id)
-            after = block_id
         return block_ids
 
-    def _take_next_to(self, after: int | None) -> int:
-        """Take off the free list the block after `after` if it is there and empty, else the first."""
-        following = -1 if after is None else after + 1
-        if following in self._unreferenced and self.blocks[following].parent_hash is None:
-            del self._unreferenced[following]
-            return following
-        return self._unreferenced.popitem(last=False)[0]
-
     def num_free_empty(self, limit: int) -> int:
-        """How many blocks (at most `limit`) `allocate` can surely hand out without evicting reusable KV:
-        the empty ones at the head of the free list."""
+        """How many of the next blocks `allocate` hands out (at most `limit`) hold no reusable KV, so that
+        taking them evicts nothing."""
         ahead = itertools.islice(self._unreferenced, limit)
         return sum(1 for _ in itertools.takewhile(lambda i: self.blocks[i].parent_hash is None, ahead))
 
@@ -154,7 +143,7 @@ class BlockManager:
 
     def discard(self, block_ids: list[int]) -> None:
         """Give back private blocks whose KV is not wanted: unrecorded, they are the next handed out, in
-        the order given."""
+        the order given, so taking and discarding blocks leaves the free list as it was."""
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             assert block.ref_count == 1 and block.pin_count == 0, f"block {block_id} is shared"

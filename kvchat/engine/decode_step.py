@@ -16,15 +16,17 @@ from typing import Protocol
 
 import torch
 
-from kvchat.engine.paged_attention import KVRuns, grouped_attention
+from kvchat.engine.paged_attention import grouped_attention
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
 MAX_LEAN_TOKENS = 16  # beyond speculation's drafts a forward is a prefill, where SDPA is the better kernel
 
 
 class KVStore(Protocol):
-    def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> KVRuns:
-        """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far, in runs."""
+    def store(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far (1, Hk, T, D) each."""
         ...
 
 
@@ -51,8 +53,8 @@ class LeanDecodeStep:
             x = layer.input_layernorm(hidden)  # (1, q, d)
             query, keys, values = self._project(attn, x)
             query, keys = self.apply_rope(query, keys, cos, sin)
-            runs = kv.store(index, keys, values)  # (Hk, T_run, D) pairs over all T positions
-            out = grouped_attention(query, runs, self.scaling)  # (1, q, Hq*D)
+            all_keys, all_values = kv.store(index, keys, values)  # (1, Hk, T, D) each
+            out = grouped_attention(query, all_keys, all_values, self.scaling)  # (1, q, Hq*D)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = self.base.norm(hidden[:, -num_logits:])  # (1, n, d)

@@ -101,7 +101,7 @@ class Engine:
             self.blocks.acquire(block_id)
             seq.block_table.append(block_id)
         with self.blocks.hold(copy_from):  # kept from being evicted by the allocation below
-            seq.block_table += self.blocks.allocate(seq.num_blocks_needed - len(shared), _last(shared))
+            seq.block_table += self.blocks.allocate(seq.num_blocks_needed - len(shared))
             seq.num_computed = seq.num_recorded = len(shared) * self.block_size
             if copy_from:
                 assert match is not None
@@ -115,8 +115,7 @@ class Engine:
         """Append tokens to a sequence (their KV is computed by the next `compute`)."""
         seq.token_ids.extend(token_ids)
         if seq.num_blocks_needed > len(seq.block_table):
-            missing = seq.num_blocks_needed - len(seq.block_table)
-            seq.block_table += self.blocks.allocate(missing, _last(seq.block_table))
+            seq.block_table += self.blocks.allocate(seq.num_blocks_needed - len(seq.block_table))
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the tokens from `num_tokens` on, and their KV: blocks past the end go back unrecorded, a
@@ -236,7 +235,3 @@ class Engine:
             seq.num_exact = min(seq.exact_limit, start)
         seq.num_computed = end
         self._record(seq)
-
-
-def _last(block_ids: list[int]) -> int | None:
-    return block_ids[-1] if block_ids else None

@@ -1,11 +1,13 @@
-"""Attention over the paged pool, read in place: a forward writes its new K/V into the sequence's
-blocks once, and attention reads the sequence's K/V where the blocks hold them.
+"""Attention over the paged pool: a forward writes its new K/V into the sequence's blocks once, and
+each layer's attention reads the sequence's K/V from there, copied into the pool's read buffer.
 
-A sequence's blocks mostly lie in a few runs of consecutive ids (the block manager hands out the
-block after the last one where it can), and a run is one strided view of the pool. The decode step
-attends over the runs one by one (a split softmax: scores per run, one softmax over all of them,
-values summed per run). Where there are more runs than that is worth, and for the module forward,
-which wants one tensor, the blocks are gathered into a scratch buffer reused from step to step.
+The copy is one layer's K/V per step, but not an extra one: torch's CPU batched matmul copies an
+operand whose heads are not packed back to back, which any view of the pool is, so attending over
+the blocks in place would copy them anyway (and one run of blocks at a time, paying each run's matmul
+pair). A sequence's blocks lie in a few runs of consecutive ids (a shared prefix, then its own
+blocks), each copied as a whole, at memcpy speed; past MAX_RUNS runs the slots are gathered one by
+one (about half as fast). Sequences that alternate reload nothing, and all of it lies inside the KV
+budget.
 """
 
 from __future__ import annotations
@@ -15,9 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvchat.engine.kv_pool import KVPool
 
-MAX_RUNS = 4  # beyond this many runs, gathering them once per layer is cheaper than a matmul pair per run
-
-KVRuns = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) per run, (Hk, T_run, D) each
+MAX_RUNS = 16
 
 
 def slot_runs(block_table: list[int], block_size: int, length: int) -> list[tuple[int, int]]:
@@ -35,93 +35,63 @@ def slot_runs(block_table: list[int], block_size: int, length: int) -> list[tupl
 
 
 class PagedKV:
-    """The K/V of one forward over positions start..end-1 of a sequence, whose earlier positions the
-    pool already holds: `store` writes a layer's new K/V and returns the layer's K/V over 0..end-1."""
+    """The K/V of one forward over positions start..end-1 of a sequence whose earlier positions the
+    pool holds: `store` writes a layer's new K/V and returns the layer's K/V over 0..end-1."""
 
     def __init__(self, pool: KVPool):
         self.pool = pool
-        self.slots: torch.Tensor | None = None
-        self.runs: list[tuple[int, int]] = []
-        self.block_ids: torch.Tensor | None = None
-        self.length = 0
-        self._scratch: torch.Tensor | None = None  # (2, capacity): room for gathered keys and values
+        self.slots: torch.Tensor | None = None  # (q,) where the new K/V go
+        self.runs: list[tuple[int, int]] = []  # where positions 0..end-1 are, as slot ranges
+        self.all_slots: torch.Tensor | None = None  # the same one by one (T,), past MAX_RUNS runs
 
     def bind(self, slots: torch.Tensor, block_table: list[int], length: int) -> None:
         """Prepare a forward writing its new K/V at pool `slots`, over a sequence of `length` positions
         held by the blocks of `block_table`."""
         bs = self.pool.block_size
-        self.slots, self.length = slots, length
+        self.slots = slots
         self.runs = slot_runs(block_table, bs, length)
-        num_blocks = -(-length // bs)
-        self.block_ids = torch.tensor(block_table[:num_blocks], dtype=torch.long, device=slots.device)
+        self.all_slots = None
+        if len(self.runs) > MAX_RUNS:
+            blocks = torch.tensor(block_table[: -(-length // bs)], dtype=torch.long, device=slots.device)
+            offsets = torch.arange(bs, dtype=torch.long, device=slots.device)
+            self.all_slots = (blocks[:, None] * bs + offsets).view(-1)[:length]  # (T,)
 
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keep one layer's new K/V (1, Hk, q, D) in the pool."""
+    def store(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far, (1, Hk, T, D) each,
+        valid until the next call."""
         assert self.slots is not None
         self.pool.write(layer, self.slots, keys, values)
-
-    def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> KVRuns:
-        """Keep one layer's new K/V (1, Hk, q, D); return all its K/V so far, as at most MAX_RUNS runs."""
-        self.write(layer, keys, values)
-        return self.read(layer, MAX_RUNS)
-
-    def read(self, layer: int, max_runs: int) -> KVRuns:
-        """The layer's K/V over 0..length-1: views of the pool, or one gathered run beyond `max_runs`."""
-        pool_k, pool_v = self.pool.keys[layer], self.pool.values[layer]  # (Hk, S, D)
-        if len(self.runs) <= max_runs:
-            return [(pool_k[:, a:b], pool_v[:, a:b]) for a, b in self.runs]
-        return [(self._gather(pool_k, 0), self._gather(pool_v, 1))]
-
-    def _gather(self, pool_layer: torch.Tensor, which: int) -> torch.Tensor:
-        """The bound blocks of one layer's keys (`which` 0) or values (1), contiguous: (Hk, length, D)."""
-        assert self.block_ids is not None
-        num_heads, _, head_dim = pool_layer.shape
-        blocks = pool_layer.view(num_heads, -1, self.pool.block_size * head_dim)  # (Hk, NB, bs*D)
-        shape = (num_heads, len(self.block_ids), blocks.shape[2])  # (Hk, n, bs*D)
-        size = shape[0] * shape[1] * shape[2]
-        if self._scratch is None or self._scratch.shape[1] < size:
-            capacity = max(size, 2 * (self._scratch.shape[1] if self._scratch is not None else 0))
-            self._scratch = blocks.new_empty((2, capacity))
-        out = self._scratch[which, :size].view(shape)
-        torch.index_select(blocks, 1, self.block_ids, out=out)
-        return out.view(num_heads, -1, head_dim)[:, : self.length]
-
-    def contiguous(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K/V over 0..length-1 as one tensor each, (1, Hk, length, D), for attention modules."""
-        ((keys, values),) = self.read(layer, max_runs=1)
-        return keys.unsqueeze(0), values.unsqueeze(0)
+        if self.all_slots is not None:
+            all_keys, all_values = self.pool.read_slots(layer, self.all_slots)  # (Hk, T, D) each
+        else:
+            all_keys, all_values = self.pool.read_runs(layer, self.runs)
+        return all_keys.unsqueeze(0), all_values.unsqueeze(0)
 
 
-def grouped_attention(query: torch.Tensor, runs: KVRuns, scaling: float) -> torch.Tensor:
-    """Causal attention of q new queries, at the last q of T positions, over the T keys and values
-    given as runs in position order.
+def grouped_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Causal attention of q new queries, at the last q of T positions, over the T keys and values.
 
     On CPU, `scaled_dot_product_attention` in bf16 with one query is several times slower than two
     matmuls (0.73 against 0.20 ms a layer at 512 tokens, 7.5 against 0.45 at 4,096). Viewing the query
     heads per KV head lets one matmul serve a whole group without repeating K/V; the softmax runs in
-    fp32. query (1, Hq, q, D) with Hq a multiple of Hk -> (1, q, Hq * D)."""
+    fp32. query (1, Hq, q, D); keys, values (1, Hk, T, D) with Hq a multiple of Hk -> (1, q, Hq * D)."""
     _, num_heads, num_new, head_dim = query.shape
-    num_kv_heads = runs[0][0].shape[0]
+    num_kv_heads, length = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
     # query head h reads KV head h // group, as transformers' repeat_kv lays them out
-    grouped = query.reshape(num_kv_heads, group * num_new, head_dim).transpose(1, 2)  # (Hk, D, G*q)
+    grouped = query.reshape(num_kv_heads, group * num_new, head_dim)  # (Hk, G*q, D)
     # keys times query rather than query times transposed keys: ~3x faster at 4,096 keys in bf16
-    pieces = [torch.matmul(keys, grouped) for keys, _ in runs]  # (Hk, T_run, G*q) each
-    scores = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # (Hk, T, G*q)
-    scores = scores.transpose(1, 2).float() * scaling  # (Hk, G*q, T)
-    length = scores.shape[-1]
+    scores = torch.matmul(keys[0], grouped.transpose(1, 2)).transpose(1, 2).float() * scaling  # (Hk, G*q, T)
     if num_new > 1:
         future = torch.ones(num_new, num_new, dtype=torch.bool, device=query.device).triu(1)  # (q, q)
         scores = scores.view(num_kv_heads, group, num_new, length)
         scores[..., length - num_new :].masked_fill_(future, float("-inf"))
-    probs = scores.softmax(dim=-1).to(runs[0][1].dtype).view(num_kv_heads, group * num_new, length)
-    out, start = None, 0
-    for _, values in runs:
-        stop = start + values.shape[1]
-        part = probs[..., start:stop]  # (Hk, G*q, T_run)
-        out = torch.matmul(part, values) if out is None else out.baddbmm_(part, values)  # (Hk, G*q, D)
-        start = stop
-    assert out is not None
+    probs = scores.softmax(dim=-1).to(values.dtype).view(num_kv_heads, group * num_new, length)
+    out = torch.matmul(probs, values[0])  # (Hk, G*q, D)
     out = out.view(num_heads, num_new, head_dim).transpose(0, 1)  # (q, Hq, D)
     return out.reshape(1, num_new, num_heads * head_dim)
 
@@ -162,8 +132,7 @@ class ForwardCache(Cache):
         self.start = start
 
     def update_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
-        self.kv.write(layer, keys, values)
-        return self.kv.contiguous(layer)  # (1, Hk, start+q, D) each
+        return self.kv.store(layer, keys, values)  # (1, Hk, start+q, D) each
 
 
 class SelectiveCache(Cache):
@@ -186,8 +155,7 @@ class SelectiveCache(Cache):
             old_k = pool.keys[layer].index_select(1, slots).unsqueeze(0)  # (1, Hk, q, D)
             old_v = pool.values[layer].index_select(1, slots).unsqueeze(0)
             self.deviation = _relative_sq_error(keys, old_k) + _relative_sq_error(values, old_v)
-        self.kv.write(layer, keys, values)
-        return self.kv.contiguous(layer)  # (1, Hk, length, D) each
+        return self.kv.store(layer, keys, values)  # (1, Hk, length, D) each
 
 
 def _relative_sq_error(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
