@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
+from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step, rms_norm, rope
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
@@ -164,3 +164,27 @@ def test_lean_step_runs_quantized_linears_as_the_module_forward_does(mode):
     lean, plain = (decode_logits(engine, prompt, steps) for engine in engines)
     torch.testing.assert_close(lean, plain, atol=1e-3, rtol=0)
     assert lean.argmax(-1).tolist() == plain.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_the_families_rotation_exactly(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(2)
+    query, keys = torch.randn(1, 6, 3, 16).to(dtype), torch.randn(1, 2, 3, 16).to(dtype)
+    angles = torch.randn(1, 3, 8)
+    cos, sin = (torch.cat([f(angles), f(angles)], dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    want_q, want_k = apply_rotary_pos_emb(query, keys, cos, sin)
+    signed_sin = torch.cat([-sin[..., :8], sin[..., 8:]], dim=-1).unsqueeze(1)
+    assert torch.equal(rope(query, cos.unsqueeze(1), signed_sin), want_q)
+    assert torch.equal(rope(keys, cos.unsqueeze(1), signed_sin), want_k)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 0.0)])
+def test_fused_rms_norm_equals_the_families_module(kind, dtype, tol):
+    model = make_tiny_model(kind, dtype=dtype)
+    norm = model.model.layers[0].input_layernorm
+    norm.weight.data = torch.randn_like(norm.weight)
+    x = (torch.randn(1, 3, norm.weight.shape[0]) * 3).to(dtype)
+    torch.testing.assert_close(rms_norm(norm, x), norm(x), atol=tol, rtol=tol)
