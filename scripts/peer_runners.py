@@ -18,6 +18,7 @@ from kvchat.engine.generate import GenerationStep, generate
 from kvchat.engine.packed_linear import PackedLinear
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import Speculation
+from kvchat.settings_schema import DecodeSettings
 
 
 class Runner(Protocol):
@@ -78,7 +79,8 @@ class KvchatRunner:
     def __init__(self, model, tokenizer, speculate: bool):
         self.engine = Engine(model, kv_memory_bytes=768 << 20, block_size=16, prefill_chunk=512)
         self.tokenizer = tokenizer
-        self.speculation = Speculation(mode="prompt-lookup") if speculate else None
+        draft_max = DecodeSettings().draft_max  # kvchat's default
+        self.speculation = Speculation("prompt-lookup", draft_max) if speculate else None
         self.weight_bytes = model_bytes(model)
 
     def _run(self, prompt: list[int], num_tokens: int, reuse: bool = True) -> GenerationStep:
