@@ -1,5 +1,6 @@
 """Attention over the paged pool: a forward writes its new K/V into the sequence's blocks once, and
-each layer's attention reads the sequence's K/V from there, copied into the pool's read buffer.
+each layer's attention reads the sequence's K/V from there: a view of the pool where the blocks are
+consecutive, else copied into the pool's read buffer.
 
 The copy is one layer's K/V per step, but not an extra one: torch's CPU batched matmul copies an
 operand whose heads are not packed back to back, which any view of the pool is, so attending over
@@ -63,6 +64,9 @@ class PagedKV:
         valid until the next call."""
         assert self.slots is not None
         self.pool.write(layer, self.slots, keys, values)
+        if len(self.runs) == 1:  # a view: the consumer copies it at most once
+            start, stop = self.runs[0]
+            return self.pool.keys[layer, None, :, start:stop], self.pool.values[layer, None, :, start:stop]
         if self.all_slots is not None:
             all_keys, all_values = self.pool.read_slots(layer, self.all_slots)  # (Hk, T, D) each
         else:
