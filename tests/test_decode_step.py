@@ -1,6 +1,7 @@
 """The decode fast paths equal the plain ones: grouped attention against SDPA, the lean decode step
 against the module forward (logits and greedy text)."""
 
+import itertools
 import random
 
 import pytest
@@ -33,14 +34,30 @@ def sdpa_reference(query, keys, values, scaling):
     return out.transpose(1, 2).reshape(1, num_new, -1)
 
 
+def pool_runs(keys, values, sizes):
+    """(1, Hk, T, D) K/V placed in a head-major pool layer among other slots, runs of `sizes` apart,
+    and read back as views of those runs."""
+    bounds = [0, *itertools.accumulate(sizes)]
+    assert bounds[-1] == keys.shape[2]
+    pool_k = torch.zeros(keys.shape[1], 3 * bounds[-1], keys.shape[3], dtype=keys.dtype)  # (Hk, S, D)
+    pool_v = torch.zeros_like(pool_k)
+    runs = []
+    for index, (a, b) in enumerate(itertools.pairwise(bounds)):
+        at = 2 * a + index  # gaps between the runs
+        pool_k[:, at : at + b - a], pool_v[:, at : at + b - a] = keys[0, :, a:b], values[0, :, a:b]
+        runs.append((pool_k[:, at : at + b - a], pool_v[:, at : at + b - a]))
+    return runs
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_new", [1, 5])
-@pytest.mark.parametrize("length", [7, 300])
-def test_grouped_attention_equals_sdpa(dtype, tol, num_new, length):
+@pytest.mark.parametrize("sizes", [[7], [300], [1, 6], [64, 16, 200, 20]])
+def test_grouped_attention_over_runs_equals_sdpa(dtype, tol, num_new, sizes):
     torch.manual_seed(0)
+    length = sum(sizes)
     query = torch.randn(1, 6, num_new, 16).to(dtype)
     keys, values = torch.randn(1, 2, length, 16).to(dtype), torch.randn(1, 2, length, 16).to(dtype)
-    got = grouped_attention(query, keys, values, 0.25)
+    got = grouped_attention(query, pool_runs(keys, values, sizes), 0.25)
     torch.testing.assert_close(got.float(), sdpa_reference(query, keys, values, 0.25), atol=tol, rtol=0)
 
 
@@ -48,7 +65,7 @@ def test_grouped_attention_of_a_query_laid_out_as_after_a_projection():
     torch.manual_seed(1)
     keys, values = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     query = torch.randn(1, 4, 3, 16).transpose(1, 2).contiguous().transpose(1, 2)
-    got = grouped_attention(query, keys, values, 0.25)
+    got = grouped_attention(query, pool_runs(keys, values, [40]), 0.25)
     torch.testing.assert_close(got, sdpa_reference(query, keys, values, 0.25), atol=1e-5, rtol=0)
 
 

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from kvchat.engine import paged_attention
 from kvchat.engine.engine import Engine
 from kvchat.engine.paged_attention import MAX_RUNS, slot_runs
 from tests.tiny_models import KINDS, make_tiny_model
@@ -69,10 +70,14 @@ def test_all_cached_prompt_still_yields_logits(model):
 
 @pytest.mark.parametrize("block_size", [1, 4])
 @pytest.mark.parametrize("lean_decode", [True, False])
-def test_sequences_decoding_in_turn_equal_full_forward(model, block_size, lean_decode):
+@pytest.mark.parametrize("views_from", [0, 10_000])
+def test_sequences_decoding_in_turn_equal_full_forward(
+    model, block_size, lean_decode, views_from, monkeypatch
+):
     """Two sequences decoding in turn take blocks in turn, so each lies in several runs of blocks
-    (block size 4) or more than MAX_RUNS (1); attention reads each from the pool alone, run by run or
-    slot by slot: the logits are still a full forward's."""
+    (block size 4) or more than MAX_RUNS (1); attention reads each from the pool alone, in place run by
+    run (fp32 from VIEWS_FROM positions) or copied: the logits are still a full forward's."""
+    monkeypatch.setattr(paged_attention, "VIEWS_FROM", views_from)
     engine = Engine(
         model, kv_memory_bytes=1 << 22, block_size=block_size, prefill_chunk=512, lean_decode=lean_decode
     )

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvchat.engine.paged_attention import grouped_attention
+from kvchat.engine.paged_attention import KVRuns, grouped_attention
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
 RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})  # weight * normalized x
@@ -24,10 +24,8 @@ MAX_LEAN_TOKENS = 16  # beyond speculation's drafts a forward is a prefill, wher
 
 
 class KVStore(Protocol):
-    def store(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far (1, Hk, T, D) each."""
+    def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> KVRuns:
+        """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far, as runs."""
         ...
 
 
@@ -54,8 +52,8 @@ class LeanDecodeStep:
             x = rms_norm(layer.input_layernorm, hidden)  # (1, q, d)
             query, keys, values = self._project(attn, x)
             query, keys = rope(query, cos, sin), rope(keys, cos, sin)
-            all_keys, all_values = kv.store(index, keys, values)  # (1, Hk, T, D) each
-            out = grouped_attention(query, all_keys, all_values, self.scaling)  # (1, q, Hq*D)
+            runs = kv.store(index, keys, values)  # (Hk, T_run, D) pairs over all T positions
+            out = grouped_attention(query, runs, self.scaling)  # (1, q, Hq*D)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
         hidden = rms_norm(self.base.norm, hidden[:, -num_logits:])  # (1, n, d)

@@ -1,14 +1,15 @@
 """Attention over the paged pool: a forward writes its new K/V into the sequence's blocks once, and
-each layer's attention reads the sequence's K/V from there: a view of the pool where the blocks are
-consecutive, else copied into the pool's read buffer.
+each layer's attention reads the sequence's K/V from there, inside the KV budget; sequences that take
+turns reload nothing.
 
-The copy is one layer's K/V per step, but not an extra one: torch's CPU batched matmul copies an
-operand whose heads are not packed back to back, which any view of the pool is, so attending over
-the blocks in place would copy them anyway (and one run of blocks at a time, paying each run's matmul
-pair). A sequence's blocks lie in a few runs of consecutive ids (a shared prefix, then its own
-blocks), each copied as a whole, at memcpy speed; past MAX_RUNS runs the slots are gathered one by
-one (about half as fast). Sequences that alternate reload nothing, and all of it lies inside the KV
-budget.
+A sequence's blocks lie in a few runs of consecutive ids (a shared prefix, then its own blocks); a
+run is a strided view of the pool. torch's CPU batched matmul reads such a view in place in fp32 but
+copies it in bf16 (its heads are not packed back to back). So the decode step attends over the runs
+in place (a split softmax: a matmul pair per run) where views are free and the context is long enough
+for a copy to cost more than the extra matmuls; otherwise the runs are copied whole, at memcpy
+speed, into the pool's read buffer (slot by slot past MAX_RUNS runs, about half as fast), which costs
+a bf16 matmul no more than its own copy would. The module forward, which wants one tensor, gets a
+view of one run or the copy.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvchat.engine.kv_pool import KVPool
 
-MAX_RUNS = 16
+MAX_RUNS = 16  # past this many runs, the slots are gathered one by one
+VIEWS_FROM = 1024  # positions from which runs are read in place where the matmul reads views
+VIEW_DTYPES = frozenset({torch.float32})  # torch 2.13 CPU bmm: an fp32 view is read in place, bf16 copied
+
+KVRuns = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) per run in position order, (Hk, T_run, D)
 
 
 def slot_runs(block_table: list[int], block_size: int, length: int) -> list[tuple[int, int]]:
@@ -44,12 +49,13 @@ class PagedKV:
         self.slots: torch.Tensor | None = None  # (q,) where the new K/V go
         self.runs: list[tuple[int, int]] = []  # where positions 0..end-1 are, as slot ranges
         self.all_slots: torch.Tensor | None = None  # the same one by one (T,), past MAX_RUNS runs
+        self.length = 0
 
     def bind(self, slots: torch.Tensor, block_table: list[int], length: int) -> None:
         """Prepare a forward writing its new K/V at pool `slots`, over a sequence of `length` positions
         held by the blocks of `block_table`."""
         bs = self.pool.block_size
-        self.slots = slots
+        self.slots, self.length = slots, length
         self.runs = slot_runs(block_table, bs, length)
         self.all_slots = None
         if len(self.runs) > MAX_RUNS:
@@ -57,45 +63,70 @@ class PagedKV:
             offsets = torch.arange(bs, dtype=torch.long, device=slots.device)
             self.all_slots = (blocks[:, None] * bs + offsets).view(-1)[:length]  # (T,)
 
-    def store(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far, (1, Hk, T, D) each,
-        valid until the next call."""
-        assert self.slots is not None
-        self.pool.write(layer, self.slots, keys, values)
-        if len(self.runs) == 1:  # a view: the consumer copies it at most once
-            start, stop = self.runs[0]
-            return self.pool.keys[layer, None, :, start:stop], self.pool.values[layer, None, :, start:stop]
-        if self.all_slots is not None:
-            all_keys, all_values = self.pool.read_slots(layer, self.all_slots)  # (Hk, T, D) each
-        else:
-            all_keys, all_values = self.pool.read_runs(layer, self.runs)
+    def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> KVRuns:
+        """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far as runs, valid until the
+        next call."""
+        self.write(layer, keys, values)
+        in_place = (
+            len(self.runs) == 1
+            or self.length >= VIEWS_FROM
+            and len(self.runs) <= MAX_RUNS
+            and self.pool.keys.dtype in VIEW_DTYPES
+        )
+        if in_place:
+            return [(self.pool.keys[layer, :, a:b], self.pool.values[layer, :, a:b]) for a, b in self.runs]
+        return [self._copied(layer)]
+
+    def store_whole(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        """As `store`, as one tensor each, (1, Hk, length, D), the way attention modules take them."""
+        self.write(layer, keys, values)
+        if len(self.runs) == 1:
+            a, b = self.runs[0]
+            return self.pool.keys[layer, None, :, a:b], self.pool.values[layer, None, :, a:b]
+        all_keys, all_values = self._copied(layer)
         return all_keys.unsqueeze(0), all_values.unsqueeze(0)
 
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        assert self.slots is not None
+        self.pool.write(layer, self.slots, keys, values)
 
-def grouped_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
-) -> torch.Tensor:
-    """Causal attention of q new queries, at the last q of T positions, over the T keys and values.
+    def _copied(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K/V over 0..length-1 in the read buffer: (Hk, T, D) each."""
+        if self.all_slots is not None:
+            return self.pool.read_slots(layer, self.all_slots)
+        return self.pool.read_runs(layer, self.runs)
+
+
+def grouped_attention(query: torch.Tensor, runs: KVRuns, scaling: float) -> torch.Tensor:
+    """Causal attention of q new queries, at the last q of T positions, over the T keys and values
+    given as runs in position order.
 
     On CPU, `scaled_dot_product_attention` in bf16 with one query is several times slower than two
     matmuls (0.73 against 0.20 ms a layer at 512 tokens, 7.5 against 0.45 at 4,096). Viewing the query
     heads per KV head lets one matmul serve a whole group without repeating K/V; the softmax runs in
-    fp32. query (1, Hq, q, D); keys, values (1, Hk, T, D) with Hq a multiple of Hk -> (1, q, Hq * D)."""
+    fp32. query (1, Hq, q, D) with Hq a multiple of Hk -> (1, q, Hq * D)."""
     _, num_heads, num_new, head_dim = query.shape
-    num_kv_heads, length = keys.shape[1], keys.shape[2]
+    num_kv_heads = runs[0][0].shape[0]
     group = num_heads // num_kv_heads
     # query head h reads KV head h // group, as transformers' repeat_kv lays them out
-    grouped = query.reshape(num_kv_heads, group * num_new, head_dim)  # (Hk, G*q, D)
+    grouped = query.reshape(num_kv_heads, group * num_new, head_dim).transpose(1, 2)  # (Hk, D, G*q)
     # keys times query rather than query times transposed keys: ~3x faster at 4,096 keys in bf16
-    scores = torch.matmul(keys[0], grouped.transpose(1, 2)).transpose(1, 2).float() * scaling  # (Hk, G*q, T)
+    pieces = [torch.matmul(keys, grouped) for keys, _ in runs]  # (Hk, T_run, G*q) each
+    scores = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # (Hk, T, G*q)
+    scores = scores.transpose(1, 2).float() * scaling  # (Hk, G*q, T)
+    length = scores.shape[-1]
     if num_new > 1:
         future = torch.ones(num_new, num_new, dtype=torch.bool, device=query.device).triu(1)  # (q, q)
         scores = scores.view(num_kv_heads, group, num_new, length)
         scores[..., length - num_new :].masked_fill_(future, float("-inf"))
-    probs = scores.softmax(dim=-1).to(values.dtype).view(num_kv_heads, group * num_new, length)
-    out = torch.matmul(probs, values[0])  # (Hk, G*q, D)
+    probs = scores.softmax(dim=-1).to(runs[0][1].dtype).view(num_kv_heads, group * num_new, length)
+    out, start = None, 0
+    for _, values in runs:
+        stop = start + values.shape[1]
+        part = probs[..., start:stop]  # (Hk, G*q, T_run)
+        out = torch.matmul(part, values) if out is None else out.baddbmm_(part, values)  # (Hk, G*q, D)
+        start = stop
+    assert out is not None
     out = out.view(num_heads, num_new, head_dim).transpose(0, 1)  # (q, Hq, D)
     return out.reshape(1, num_new, num_heads * head_dim)
 
@@ -136,7 +167,7 @@ class ForwardCache(Cache):
         self.start = start
 
     def update_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
-        return self.kv.store(layer, keys, values)  # (1, Hk, start+q, D) each
+        return self.kv.store_whole(layer, keys, values)  # (1, Hk, start+q, D) each
 
 
 class SelectiveCache(Cache):
@@ -159,7 +190,7 @@ class SelectiveCache(Cache):
             old_k = pool.keys[layer].index_select(1, slots).unsqueeze(0)  # (1, Hk, q, D)
             old_v = pool.values[layer].index_select(1, slots).unsqueeze(0)
             self.deviation = _relative_sq_error(keys, old_k) + _relative_sq_error(values, old_v)
-        return self.kv.store(layer, keys, values)  # (1, Hk, length, D) each
+        return self.kv.store_whole(layer, keys, values)  # (1, Hk, length, D) each
 
 
 def _relative_sq_error(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
