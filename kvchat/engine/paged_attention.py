@@ -67,11 +67,9 @@ class PagedKV:
         """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far as runs, valid until the
         next call."""
         self.write(layer, keys, values)
-        in_place = (
-            len(self.runs) == 1
-            or self.length >= VIEWS_FROM
-            and len(self.runs) <= MAX_RUNS
-            and self.pool.keys.dtype in VIEW_DTYPES
+        views_are_read_in_place = self.pool.keys.dtype in VIEW_DTYPES
+        in_place = len(self.runs) == 1 or (
+            views_are_read_in_place and self.length >= VIEWS_FROM and len(self.runs) <= MAX_RUNS
         )
         if in_place:
             return [(self.pool.keys[layer, :, a:b], self.pool.values[layer, :, a:b]) for a, b in self.runs]
