@@ -4,8 +4,9 @@ side in one run, one thread, greedy, the variants taking turns:
     python scripts/bench_peer.py                      # every part, ~10 minutes on a quiet machine
     python scripts/bench_peer.py --parts decode --contexts 50 --variants kvchat-bf16 llama-BF16
 
-Variants: kvchat-<bf16|fp32>[-int8|-int4][-spec] (a quantized kind needs kvchat.models.quantize;
--spec drafts by prompt lookup) and llama-<BF16|Q8_0|Q4_1> (GGUF files of the packaged weights,
+Variants: kvchat-<bf16|fp32>[-int8|-int4][-compiled][-spec] (a quantized kind needs
+kvchat.models.quantize; -compiled decodes through the compiled graph, --compile; -spec drafts by
+prompt lookup) and llama-<BF16|Q8_0|Q4_1> (GGUF files of the packaged weights,
 scripts/peer_gguf.py). Parts: decode (tok/s and weight GB/s after ~50 and ~4,000 tokens of context,
 a free-writing and a copying prompt), ttft (cold, ~2,000 tokens; turn 2 reusing the first turn),
 bandwidth (one-thread read of 256 MB), big (a random-weight model shaped as Qwen2.5-3B, kvchat only).
@@ -76,7 +77,8 @@ def make_runners(names: list[str], tokenizer) -> dict[str, Runner]:
             runners[name] = LlamaRunner(packaged_as(name.removeprefix("llama-")))
         else:
             key = name.removesuffix("-spec")
-            runners[name] = KvchatRunner(models[key], tokenizer, speculate=name.endswith("-spec"))
+            compiled = key.endswith("-compiled")
+            runners[name] = KvchatRunner(models[key], tokenizer, name.endswith("-spec"), compiled)
     return runners
 
 
@@ -137,11 +139,12 @@ def run_ttft(runners: dict[str, Runner], tokenizer, args) -> None:
 
 
 def run_big(args) -> None:
-    kinds = [k for k in ("bf16", "bf16-int8", "bf16-int4") if k == "bf16" or f"kvchat-{k}" in args.variants]
+    kinds = ("bf16", "bf16-int8", "bf16-int4", "bf16-compiled")
+    kinds = tuple(k for k in kinds if k == "bf16" or f"kvchat-{k}" in args.variants)
     rows = []
     for kind in kinds:
         model = make_big_model(kind)
-        runner = KvchatRunner(model, None, speculate=False)
+        runner = KvchatRunner(model, None, speculate=False, compile_decode=kind.endswith("-compiled"))
         prompt = list(range(1000, 1050))
         runner.decode(prompt, 2)
         rate = statistics.median(runner.decode(prompt, args.big_tokens) for _ in range(args.repeats))

@@ -30,8 +30,8 @@ class Runner(Protocol):
 
 
 def apply_kind(model, kind: str):
-    """`kind` is <dtype>[-int8|-int4]: quantize with kvchat.models.quantize where it asks to."""
-    _, _, mode = kind.partition("-")
+    """`kind` is <dtype>[-int8|-int4][-compiled]: quantize with kvchat.models.quantize where it asks to."""
+    _, _, mode = kind.removesuffix("-compiled").partition("-")
     if mode:
         from kvchat.models.quantize import quantize_model  # the --quantize option, where it exists
 
@@ -40,7 +40,8 @@ def apply_kind(model, kind: str):
 
 
 def make_kvchat_models(folder: Path, names: list[str]) -> dict[str, object]:
-    """One model per kvchat-<kind> (its -spec variant shares it)."""
+    """One model per kvchat-<kind> (its -spec variant shares it; a -compiled one has its own, as the
+    others pack their linears in place)."""
     kinds = sorted({name.removeprefix("kvchat-").removesuffix("-spec") for name in names})
     models = {}
     for kind in kinds:
@@ -76,8 +77,10 @@ def model_bytes(model) -> int:
 
 
 class KvchatRunner:
-    def __init__(self, model, tokenizer, speculate: bool):
-        self.engine = Engine(model, kv_memory_bytes=768 << 20, block_size=16, prefill_chunk=512)
+    def __init__(self, model, tokenizer, speculate: bool, compile_decode: bool = False):
+        self.engine = Engine(
+            model, kv_memory_bytes=768 << 20, block_size=16, prefill_chunk=512, compile_decode=compile_decode
+        )
         self.tokenizer = tokenizer
         draft_max = DecodeSettings().draft_max  # kvchat's default
         self.speculation = Speculation("prompt-lookup", draft_max) if speculate else None

@@ -120,6 +120,17 @@ def test_clean_script_exits_0_and_bad_model_exits_2(tiny_folder, tmp_path):
     assert b"Traceback" not in bad.stderr and len(bad.stderr.decode().strip().splitlines()) == 1
 
 
+def test_compile_flag_decodes_through_the_compiled_graph(tiny_folder, tmp_path):
+    args = ["--model", str(tiny_folder), "--json", "--compile", "--max-tokens", "8", "--dtype", "fp32"]
+    plain = records(kvchat(args[:3] + args[4:], b"/info\n/query hi\n/infer\n", tmp_path))
+    proc = kvchat(args, b"/info\n/query hi\n/infer\n", tmp_path)
+    out = records(proc)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert out[0]["info"]["decode"] == "compiled graph" and plain[0]["info"]["decode"] == "lean step"
+    assert out[2]["text"] == plain[2]["text"]
+    assert out[2]["generated_tokens"] == plain[2]["generated_tokens"] > 2
+
+
 def test_invalid_utf8_and_long_lines_are_errors_not_crashes(tiny_folder, tmp_path):
     stdin = b"/query caf\xe9\n/query " + b"x" * (1 << 21) + b"\n/query fine\n"
     proc = kvchat(["--model", str(tiny_folder), "--json"], stdin, tmp_path)

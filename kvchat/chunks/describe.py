@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvchat.chunks.chunk import Chunk, ChunkRegistry, KVSpan
@@ -66,7 +67,7 @@ def cache_stats(blocks: BlockManager, bytes_per_block: int) -> CacheStats:
 
 def model_summary(engine: Engine, tokenizer: Any, chat_format: ChatFormat, model_id: str) -> ModelInfo:
     """The model, its chat template and the KV budget (for `/info`)."""
-    return model_info(
+    info = model_info(
         engine.model,
         getattr(tokenizer, "chat_template", None),
         chat_format.default_system_prompt,
@@ -75,6 +76,7 @@ def model_summary(engine: Engine, tokenizer: Any, chat_format: ChatFormat, model
         block_size=engine.block_size,
         bytes_per_block=engine.bytes_per_block,
     )
+    return replace(info, decode=engine.decode_path)
 
 
 def deletable_outputs(registry: ChunkRegistry) -> str:

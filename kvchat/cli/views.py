@@ -233,6 +233,7 @@ def info_table(info: ModelInfo) -> RenderableType:
     table.add_row("parameters", f"{info.num_parameters:,} ({info.num_parameters / 1e6:.0f}M)")
     table.add_row("dtype", info.dtype)
     table.add_row("quantization", info.quantization)
+    table.add_row("decode", info.decode)
     context = f"{info.context_length:,} tokens" if info.context_length else "not stated"
     table.add_row("context length", context)
     template = info.chat_template

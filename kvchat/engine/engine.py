@@ -11,10 +11,11 @@ import itertools
 import torch
 
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, chain_hash
+from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compile
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.kv_pool import KVPool
 from kvchat.engine.packed_linear import pack_linears_
-from kvchat.engine.paged_attention import ForwardCache, PagedKV
+from kvchat.engine.paged_attention import ForwardCache, PagedKV, position_slots
 from kvchat.engine.sequence import Sequence
 from kvchat.errors import CacheFullError
 
@@ -38,9 +39,11 @@ class Engine:
         block_size: int,
         prefill_chunk: int,
         lean_decode: bool = True,
+        compile_decode: bool = False,
     ):
         self.model = model
-        if lean_decode:  # bf16 linears packed for oneDNN (in place), and the lean step where it fits
+        compile_decode = compile_decode and lean_decode and can_compile(model)
+        if lean_decode and not compile_decode:  # bf16 linears packed for oneDNN (in place)
             pack_linears_(model)
         self._decode_step = make_decode_step(model) if lean_decode else None
         self.block_size, self.prefill_chunk = block_size, prefill_chunk
@@ -62,6 +65,30 @@ class Engine:
         self._kv = PagedKV(self.pool)
         self._cache = ForwardCache(self._kv, self.num_layers)
         self._seq_ids = itertools.count(1)
+        self._compiled = CompiledDecodeStep(model, self.pool) if compile_decode else None
+        if self._compiled is not None:
+            self._warm_up()
+
+    @property
+    def compiled(self) -> bool:
+        """Whether single tokens decode through the compiled graph."""
+        return self._compiled is not None
+
+    @property
+    def decode_path(self) -> str:
+        """How single tokens decode, in words."""
+        if self._compiled is not None:
+            return "compiled graph"
+        return "lean step" if self._decode_step is not None else "module forward"
+
+    def _warm_up(self) -> None:
+        """Compile the decode graph now, on a scratch sequence, rather than at the first token."""
+        seq = self.start([0] * (MIN_PAST + 1), reuse=False, index=False)
+        try:
+            self.compute(seq, until=MIN_PAST)
+            self.compute(seq)
+        finally:
+            self.free(seq)
 
     @property
     def max_positions(self) -> int | None:
@@ -172,10 +199,14 @@ class Engine:
     def _forward(self, seq: Sequence, start: int, end: int, all_logits: bool, record: bool) -> torch.Tensor:
         input_ids = torch.tensor([seq.token_ids[start:end]], device=self.device)  # (1, q)
         position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, q)
-        self._kv.bind(self._slots(seq, start, end), seq.block_table, end)
-        if self._decode_step is not None and end - start <= MAX_LEAN_TOKENS:
+        if self._compiled is not None and end - start == 1 and start >= MIN_PAST:
+            past = position_slots(seq.block_table, self.block_size, start, self.device)  # (start,)
+            logits = self._compiled(input_ids, position_ids, past, self._slots(seq, start, end))
+        elif self._decode_step is not None and end - start <= MAX_LEAN_TOKENS:
+            self._kv.bind(self._slots(seq, start, end), seq.block_table, end)
             logits = self._decode_step(input_ids, position_ids, self._kv, end - start if all_logits else 1)
         else:
+            self._kv.bind(self._slots(seq, start, end), seq.block_table, end)
             self._cache.bind(start)
             logits = self.model(
                 input_ids=input_ids,

@@ -40,6 +40,13 @@ def slot_runs(block_table: list[int], block_size: int, length: int) -> list[tupl
     return runs
 
 
+def position_slots(block_table: list[int], block_size: int, length: int, device) -> torch.Tensor:
+    """The pool slots of positions 0..length-1 of a sequence, one by one: (length,) long."""
+    blocks = torch.tensor(block_table[: -(-length // block_size)], dtype=torch.long, device=device)
+    offsets = torch.arange(block_size, dtype=torch.long, device=device)
+    return (blocks[:, None] * block_size + offsets).view(-1)[:length]
+
+
 class PagedKV:
     """The K/V of one forward over positions start..end-1 of a sequence whose earlier positions the
     pool holds: `store` writes a layer's new K/V and returns the layer's K/V over 0..end-1."""
@@ -59,9 +66,7 @@ class PagedKV:
         self.runs = slot_runs(block_table, bs, length)
         self.all_slots = None
         if len(self.runs) > MAX_RUNS:
-            blocks = torch.tensor(block_table[: -(-length // bs)], dtype=torch.long, device=slots.device)
-            offsets = torch.arange(bs, dtype=torch.long, device=slots.device)
-            self.all_slots = (blocks[:, None] * bs + offsets).view(-1)[:length]  # (T,)
+            self.all_slots = position_slots(block_table, bs, length, slots.device)  # (T,)
 
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> KVRuns:
         """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far as runs, valid until the

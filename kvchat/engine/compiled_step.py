@@ -1,0 +1,146 @@
+"""The decode step of one token as one compiled graph (`torch.compile`, inductor), opt-in.
+
+The eager lean step spends about half a bf16 token of a small model in per-op dispatch, and its
+packed linears read weights at ~10 GB/s. Compiled with frozen weights, inductor fuses the small ops
+into generated C++ and runs each linear through its own GEMV template over weights it packs once
+(~25 GB/s here), so a token takes a third to a half of the time. The price: compiling takes a minute
+or two at load, and the packed weights are a second copy of the model's linear weights (prefill and
+speculation's few tokens keep the model's own).
+
+The graph reads the K/V of earlier positions from the pool by slot (one dynamic length, so one
+compile serves every context) and returns the token's new K/V, which the caller writes once. Only
+families the lean step reproduces (Llama, Qwen2, Qwen3) with plain linear layers take it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch._inductor.config as inductor_config
+from torch import nn
+
+from kvchat.engine.decode_step import make_decode_step, rms_norm, rope
+from kvchat.engine.kv_pool import KVPool
+from kvchat.errors import ConfigError
+
+# Frozen weights let inductor pack them; the C++ GEMM template alone serves the linears (it beat
+# oneDNN's kernel at every shape measured, so autotuning between the two only costs compile time).
+INDUCTOR_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP"}
+MIN_PAST = 2  # torch.compile specializes lengths 0 and 1, so shorter pasts take the eager step
+
+
+@torch.library.custom_op("kvchat::matmul", mutates_args=())
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.matmul kept opaque to inductor: attention's matmuls have a dynamic length, which its
+    GEMM templates do not take."""
+    return torch.matmul(a, b)
+
+
+@_matmul.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(*a.shape[:-1], b.shape[-1])
+
+
+class _DecodeGraph(nn.Module):
+    """One token through a Llama-like model over K/V in the pool. The same arithmetic as the lean
+    step, except that the token's own score is an fp32 dot product instead of a bf16 matmul column."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        first = model.model.layers[0].self_attn
+        self.head_dim, self.scaling = first.head_dim, first.scaling
+        self.has_qk_norm = hasattr(first, "q_norm")
+
+    def forward(self, input_ids, position_ids, past_slots, pool_keys, pool_values):
+        """input_ids, position_ids (1, 1); past_slots (T,) where positions 0..T-1 are; pool K/V
+        (L, Hk, S, D). Returns logits (1, V) and the token's keys and values (L, Hk, 1, D)."""
+        base = self.model.model
+        hidden = base.embed_tokens(input_ids)  # (1, 1, d)
+        cos, sin = base.rotary_emb(hidden, position_ids)  # (1, 1, D)
+        half = self.head_dim // 2
+        cos, sin = cos.unsqueeze(1), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
+        new_keys, new_values = [], []
+        for index, layer in enumerate(base.layers):
+            attn = layer.self_attn
+            x = rms_norm(layer.input_layernorm, hidden)
+            query, keys, values = self._project(attn, x)  # (H, D) each
+            query, keys = rope(query, cos[0, 0], sin[0, 0]), rope(keys, cos[0, 0], sin[0, 0])
+            new_keys.append(keys)
+            new_values.append(values)
+            out = self._attend(query, keys, values, pool_keys[index], pool_values[index], past_slots)
+            hidden = hidden + attn.o_proj(out.view(1, 1, -1))
+            hidden = hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
+        logits = self.model.lm_head(rms_norm(base.norm, hidden))[0]  # (1, V)
+        return logits, torch.stack(new_keys).unsqueeze(2), torch.stack(new_values).unsqueeze(2)
+
+    def _project(self, attn, x):
+        """Query (Hq, D), keys and values (Hk, D) before RoPE."""
+        query = attn.q_proj(x).view(-1, self.head_dim)
+        keys = attn.k_proj(x).view(-1, self.head_dim)
+        if self.has_qk_norm:
+            query, keys = rms_norm(attn.q_norm, query), rms_norm(attn.k_norm, keys)
+        return query, keys, attn.v_proj(x).view(-1, self.head_dim)
+
+    def _attend(self, query, keys, values, layer_keys, layer_values, past_slots):
+        """Attention of the query (Hq, D) over the past (layer K/V (Hk, S, D) at past_slots) and the
+        token's own keys and values (Hk, D), the query heads grouped per KV head -> (Hq, D)."""
+        num_kv_heads = keys.shape[0]
+        grouped = query.view(num_kv_heads, -1, self.head_dim)  # (Hk, G, D)
+        past_keys = layer_keys.index_select(1, past_slots)  # (Hk, T, D)
+        past_values = layer_values.index_select(1, past_slots)
+        past = _matmul(past_keys, grouped.transpose(1, 2)).transpose(1, 2)  # (Hk, G, T)
+        own = (grouped.float() * keys.float()[:, None]).sum(-1, keepdim=True)  # (Hk, G, 1)
+        probs = (torch.cat([past.float(), own], dim=-1) * self.scaling).softmax(dim=-1)  # (Hk, G, T+1)
+        out = _matmul(probs[..., :-1].to(values.dtype), past_values).float()  # (Hk, G, D)
+        out = out + probs[..., -1:] * values.float()[:, None]
+        return out.to(query.dtype).view(-1, self.head_dim)
+
+
+class CompiledDecodeStep:
+    """Decodes one token at a time over the pool through the compiled graph (compiled at first use)."""
+
+    def __init__(self, model, pool: KVPool):
+        if not has_cpp_compiler():
+            raise ConfigError("--compile needs a C++ compiler (g++, or $CXX) for torch.compile; none found")
+        self.pool = pool
+        self.graph = torch.compile(_DecodeGraph(model), mode="max-autotune")
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_slots: torch.Tensor,
+        slot: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits (1, V) of the token input_ids (1, 1) at position_ids (1, 1), attending over the
+        earlier positions at `past_slots` (T,), T >= MIN_PAST; its K/V are written at `slot` (1,)."""
+        torch._dynamo.mark_dynamic(past_slots, 0)
+        with inductor_config.patch(INDUCTOR_OPTIONS):
+            logits, keys, values = self.graph(
+                input_ids, position_ids, past_slots, self.pool.keys, self.pool.values
+            )
+        self.pool.keys.index_copy_(2, slot, keys)  # (L, Hk, 1, D) into (L, Hk, S, D)
+        self.pool.values.index_copy_(2, slot, values)
+        return logits
+
+
+def can_compile(model) -> bool:
+    """A family the lean step reproduces, on CPU, its projections plain nn.Linear (not quantized or
+    packed: inductor packs them itself)."""
+    if make_decode_step(model) is None or next(model.parameters()).device.type != "cpu":
+        return False
+    projections = [
+        child
+        for layer in model.model.layers
+        for part in (layer.self_attn, layer.mlp)
+        for name, child in part.named_children()
+        if name.endswith("_proj")
+    ]
+    return all(type(module) is nn.Linear for module in [*projections, model.lm_head])
+
+
+def has_cpp_compiler() -> bool:
+    return any(shutil.which(name) for name in (os.environ.get("CXX") or "g++", "clang++"))

@@ -1,0 +1,96 @@
+"""The compiled decode step (`--compile`) equals the module forward: logits after a prompt, across
+block boundaries, over a reused prefix whose blocks are not next to the sequence's own; it is taken
+only where it applies."""
+
+import random
+
+import pytest
+import torch
+
+from kvchat.engine.compiled_step import MIN_PAST, can_compile, has_cpp_compiler
+from kvchat.engine.engine import Engine
+from kvchat.models.quantize import quantize_model
+from tests.tiny_models import KINDS, make_tiny_model
+
+
+def compiles(test):
+    """Each engine compiles its graph (~10 s); torch.compile needs a C++ compiler."""
+    return pytest.mark.slow(pytest.mark.skipif(not has_cpp_compiler(), reason="no C++ compiler")(test))
+
+
+def random_ids(n, seed=0, vocab=512):
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def engine_of(model, compile_decode: bool) -> Engine:
+    return Engine(
+        model,
+        kv_memory_bytes=1 << 22,
+        block_size=16,
+        prefill_chunk=512,
+        lean_decode=compile_decode,
+        compile_decode=compile_decode,
+    )
+
+
+def decode_two_sequences(engine: Engine) -> torch.Tensor:
+    """Logits of 20 single-token steps of a first sequence, then of 20 steps of a second one that
+    reuses the first's two-block prefix, so its K/V lie in two runs of blocks."""
+    prefix = random_ids(32)
+    out, tables = [], []
+    for seed in (1, 2):
+        seq = engine.start(prefix + random_ids(5, seed=seed))
+        out.append(engine.compute(seq))
+        for token in random_ids(20, seed=10 + seed):  # crosses the block boundary at 48
+            engine.extend(seq, [token])
+            out.append(engine.compute(seq))
+        tables.append(seq.block_table)
+    first, second = tables
+    assert second[:2] == first[:2] and second[2] != second[1] + 1
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@compiles
+def test_compiled_step_equals_module_forward(kind):
+    compiled = engine_of(make_tiny_model(kind), compile_decode=True)
+    plain = engine_of(make_tiny_model(kind), compile_decode=False)
+    assert compiled.compiled and not plain.compiled
+    got, expected = decode_two_sequences(compiled), decode_two_sequences(plain)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+@compiles
+def test_compiled_step_in_bf16_stays_within_bf16_rounding():
+    compiled = engine_of(make_tiny_model("qwen3", dtype=torch.bfloat16), compile_decode=True)
+    plain = engine_of(make_tiny_model("qwen3", dtype=torch.bfloat16), compile_decode=False)
+    got, expected = decode_two_sequences(compiled), decode_two_sequences(plain)
+    torch.testing.assert_close(got.float(), expected.float(), atol=0.15, rtol=0)
+
+
+@compiles
+def test_short_pasts_and_speculation_sized_blocks_take_the_eager_step():
+    """Positions below MIN_PAST and multi-token forwards do not go through the graph, and agree."""
+    compiled = engine_of(make_tiny_model("llama"), compile_decode=True)
+    plain = engine_of(make_tiny_model("llama"), compile_decode=False)
+    results = []
+    for engine in (compiled, plain):
+        seq = engine.start(random_ids(1))
+        logits = [engine.compute(seq)]
+        for token in random_ids(MIN_PAST + 2, seed=4):
+            engine.extend(seq, [token])
+            logits.append(engine.compute(seq))
+        engine.extend(seq, random_ids(6, seed=5))
+        logits.extend(engine.compute(seq, all_logits=True))
+        results.append(torch.stack(logits))
+    torch.testing.assert_close(results[0], results[1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_models_decode_without_the_graph(mode):
+    model = make_tiny_model("qwen2")
+    quantize_model(model, mode)
+    assert not can_compile(model)
+    assert not engine_of(model, compile_decode=True).compiled
