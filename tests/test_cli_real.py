@@ -127,7 +127,7 @@ def test_compile_flag_decodes_through_the_compiled_graph(tiny_folder, tmp_path):
     out = records(proc)
     assert proc.returncode == 0, proc.stderr.decode()
     assert out[0]["info"]["decode"] == "compiled graph" and plain[0]["info"]["decode"] == "lean step"
-    assert out[2]["text"] == plain[2]["text"]
+    assert out[2]["output"] == plain[2]["output"]
     assert out[2]["generated_tokens"] == plain[2]["generated_tokens"] > 2
 
 
