@@ -21,7 +21,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 
-from kvchat.engine.decode_step import make_decode_step, rms_norm, rope
+from kvchat.engine.decode_step import make_decode_step, rms_norm, rope, rotation
 from kvchat.engine.kv_pool import KVPool
 from kvchat.errors import ConfigError
 
@@ -59,9 +59,7 @@ class _DecodeGraph(nn.Module):
         (L, Hk, S, D). Returns logits (1, V) and the token's keys and values (L, Hk, 1, D)."""
         base = self.model.model
         hidden = base.embed_tokens(input_ids)  # (1, 1, d)
-        cos, sin = base.rotary_emb(hidden, position_ids)  # (1, 1, D)
-        half = self.head_dim // 2
-        cos, sin = cos.unsqueeze(1), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
+        cos, sin = rotation(base, hidden, position_ids)  # (1, 1, 1, D) each
         new_keys, new_values = [], []
         for index, layer in enumerate(base.layers):
             attn = layer.self_attn
@@ -122,8 +120,7 @@ class CompiledDecodeStep:
             logits, keys, values = self.graph(
                 input_ids, position_ids, past_slots, self.pool.keys, self.pool.values
             )
-        self.pool.keys.index_copy_(2, slot, keys)  # (L, Hk, 1, D) into (L, Hk, S, D)
-        self.pool.values.index_copy_(2, slot, values)
+        self.pool.scatter(slot, keys.transpose(1, 2), values.transpose(1, 2))  # (L, 1, Hk, D) each
         return logits
 
 

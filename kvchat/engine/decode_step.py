@@ -44,9 +44,7 @@ class LeanDecodeStep:
     ) -> torch.Tensor:
         """Logits of the last `num_logits` of the tokens (num_logits, V). input_ids, position_ids (1, q)."""
         hidden = self.base.embed_tokens(input_ids)  # (1, q, d)
-        cos, sin = self.base.rotary_emb(hidden, position_ids)  # (1, q, D) each
-        half = self.head_dim // 2
-        cos, sin = cos.unsqueeze(1), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
+        cos, sin = rotation(self.base, hidden, position_ids)  # (1, 1, q, D) each
         for index, layer in enumerate(self.base.layers):
             attn = layer.self_attn
             x = rms_norm(layer.input_layernorm, hidden)  # (1, q, d)
@@ -76,6 +74,13 @@ def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon)
     return norm.weight * normed.to(x.dtype)
+
+
+def rotation(base, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope`'s cos and signed sin, (1, 1, q, D) each, from the model's rotary embedding."""
+    cos, sin = base.rotary_emb(hidden, position_ids)  # (1, q, D) each
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(1), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
