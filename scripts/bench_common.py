@@ -8,6 +8,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from kvchat.engine.paged_attention import cache_argument
 from kvchat.models.packaged import ensure_converted
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -49,10 +50,10 @@ def decode_tokens_per_s(model: torch.nn.Module, num_tokens: int) -> float:
     """Greedy decode rate of a transformers model after prefilling PROMPT_IDS, timed from the first step."""
     cache = DynamicCache(config=model.config)
     input_ids = torch.tensor([PROMPT_IDS])  # (1, T)
-    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits  # (1, T, V)
+    logits = model(input_ids=input_ids, **cache_argument(model, cache), use_cache=True).logits  # (1, T, V)
     next_id = logits[:, -1:].argmax(-1)  # (1, 1)
     start = time.perf_counter()
     for _ in range(num_tokens):
-        logits = model(input_ids=next_id, past_key_values=cache, use_cache=True).logits  # (1, 1, V)
+        logits = model(input_ids=next_id, **cache_argument(model, cache), use_cache=True).logits  # (1, 1, V)
         next_id = logits[:, -1:].argmax(-1)
     return num_tokens / (time.perf_counter() - start)

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
+from kvchat.engine.paged_attention import cache_argument
 from kvchat.engine.sampling import SamplingParams
 
 
@@ -36,7 +37,7 @@ def generate_runner(model, prompt: list[int], tokens: int) -> Callable[[], float
     """One run: model.generate's decode tokens/s from a prefilled copy of the prompt's cache."""
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([prompt[:-1]]), **cache_argument(model, cache), use_cache=True)
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id, config.do_sample = None, False
 

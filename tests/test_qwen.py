@@ -6,6 +6,7 @@ from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import InferenceResult, Role
 from kvchat.engine.engine import Engine
+from kvchat.engine.paged_attention import cache_argument
 from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
 from tests.hf_tokenizers import load_qwen3_tokenizer, load_qwen25_tokenizer
@@ -22,8 +23,9 @@ class ScriptedModel(torch.nn.Module):
         self.inner, self.config, self.model, self.script = model, model.config, model.model, script
         self.prompt_len = 0
 
-    def forward(self, input_ids, position_ids, **kwargs):
-        out = self.inner(input_ids=input_ids, position_ids=position_ids, **kwargs)
+    def forward(self, input_ids, position_ids, cache=None, **kwargs):
+        cache_kwarg = cache_argument(self.inner, cache)
+        out = self.inner(input_ids=input_ids, position_ids=position_ids, **cache_kwarg, **kwargs)
         k = int(position_ids[0, -1]) + 1 - self.prompt_len
         if 0 <= k < len(self.script):
             out.logits[0, -1] = float("-inf")

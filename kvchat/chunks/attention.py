@@ -20,6 +20,7 @@ from kvchat.chunks.compose import chunk_ranges
 from kvchat.chunks.reports import AttentionReport, ChunkAttention
 from kvchat.chunks.types import Role
 from kvchat.chunks.view_state import ViewState
+from kvchat.engine.paged_attention import cache_argument
 from kvchat.errors import ChunkError
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def _teacher_forced(model, keys, values, tokens: list[int], start: int, end: int
             out = model(
                 input_ids=torch.tensor([tokens[a:b]], device=device),  # (1, q)
                 position_ids=torch.arange(a, b, device=device).unsqueeze(0),  # (1, q)
-                past_key_values=cache,
+                **cache_argument(model, cache),
                 use_cache=True,
                 output_attentions=True,
                 logits_to_keep=1,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvchat.engine.engine import Engine
-from kvchat.engine.paged_attention import PagedKV, SelectiveCache
+from kvchat.engine.paged_attention import PagedKV, SelectiveCache, cache_argument
 from kvchat.engine.sequence import Sequence
 
 
@@ -51,7 +51,7 @@ def recompute_selected(
             hidden,
             attention_mask=_causal_mask(positions, end, hidden.dtype),
             position_ids=position_ids,
-            past_key_values=cache,
+            **cache_argument(layer, cache),
             use_cache=True,
             position_embeddings=base.rotary_emb(hidden, position_ids),
         )

@@ -15,7 +15,7 @@ from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compil
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.kv_pool import KVPool
 from kvchat.engine.packed_linear import pack_linears_
-from kvchat.engine.paged_attention import ForwardCache, PagedKV, position_slots
+from kvchat.engine.paged_attention import ForwardCache, PagedKV, cache_argument, position_slots
 from kvchat.engine.sequence import Sequence
 from kvchat.errors import CacheFullError
 
@@ -211,7 +211,7 @@ class Engine:
             logits = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                past_key_values=self._cache,
+                **cache_argument(self.model, self._cache),
                 use_cache=True,
                 logits_to_keep=0 if all_logits else 1,
             ).logits[0]

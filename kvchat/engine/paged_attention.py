@@ -14,6 +14,8 @@ view of one run or the copy.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -156,6 +158,13 @@ class _PagedLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+
+def cache_argument(module: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
+    """The keyword argument a transformers forward takes its cache by: `cache` from 5.24 on (where
+    `past_key_values` is deprecated, with a warning), `past_key_values` before."""
+    takes_cache = "cache" in inspect.signature(module.forward).parameters
+    return {"cache" if takes_cache else "past_key_values": cache}
 
 
 class ForwardCache(Cache):
