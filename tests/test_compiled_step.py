@@ -9,6 +9,7 @@ import torch
 
 from kvchat.engine.compiled_step import MIN_PAST, can_compile, has_cpp_compiler
 from kvchat.engine.engine import Engine
+from kvchat.engine.packed_linear import pack_linears_
 from kvchat.models.quantize import quantize_model
 from tests.tiny_models import KINDS, make_tiny_model
 
@@ -89,8 +90,23 @@ def test_short_pasts_and_speculation_sized_blocks_take_the_eager_step():
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_models_decode_without_the_graph(mode):
-    model = make_tiny_model("qwen2")
-    quantize_model(model, mode)
+@compiles
+def test_quantized_models_compile_and_equal_their_module_forward(mode):
+    """int8/int4 layers go through inductor's weight-only templates instead of torch's kernels: the
+    same codes and scales, so the same logits up to the order of the bf16 sums."""
+    models = [make_tiny_model("qwen2") for _ in range(2)]
+    for model in models:
+        quantize_model(model, mode)
+    compiled, plain = engine_of(models[0], compile_decode=True), engine_of(models[1], compile_decode=False)
+    assert compiled.compiled
+    got, expected = decode_two_sequences(compiled), decode_two_sequences(plain)
+    torch.testing.assert_close(got, expected, atol=0.02, rtol=0)
+    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+def test_linears_packed_for_onednn_are_not_compiled():
+    model = make_tiny_model("qwen2", dtype=torch.bfloat16)
+    assert can_compile(model)
+    pack_linears_(model)
     assert not can_compile(model)
     assert not engine_of(model, compile_decode=True).compiled

@@ -1,15 +1,16 @@
 """The decode step of one token as one compiled graph (`torch.compile`, inductor), opt-in.
 
-The eager lean step spends about half a bf16 token of a small model in per-op dispatch, and its
-packed linears read weights at ~10 GB/s. Compiled with frozen weights, inductor fuses the small ops
-into generated C++ and runs each linear through its own GEMV template over weights it packs once
-(~25 GB/s here), so a token takes a third to a half of the time. The price: compiling takes a minute
-or two at load, and the packed weights are a second copy of the model's linear weights (prefill and
-speculation's few tokens keep the model's own).
+The eager lean step spends about half a token of a small model in per-op dispatch, and its packed
+linears read weights at ~10 GB/s. Compiled with frozen weights, inductor fuses the small ops into
+generated C++ and runs each linear through its own GEMV template over weights it packs once (~25 GB/s
+here); int8 and int4 layers (`--quantize`) go through its weight-only templates the same way. A token
+takes a third to a half of the time. The price: compiling takes a minute or two at load, and a bf16
+model's packed weights are a second copy of its linear weights (prefill and speculation's few tokens
+keep the model's own).
 
 The graph reads the K/V of earlier positions from the pool by slot (one dynamic length, so one
 compile serves every context) and returns the token's new K/V, which the caller writes once. Only
-families the lean step reproduces (Llama, Qwen2, Qwen3) with plain linear layers take it.
+families the lean step reproduces (Llama, Qwen2, Qwen3) take it.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from torch import nn
 
 from kvchat.engine.decode_step import make_decode_step, rms_norm, rope, rotation
 from kvchat.engine.kv_pool import KVPool
+from kvchat.engine.packed_linear import PackedLinear
 from kvchat.errors import ConfigError
 
-# Frozen weights let inductor pack them; the C++ GEMM template alone serves the linears (it beat
-# oneDNN's kernel at every shape measured, so autotuning between the two only costs compile time).
-INDUCTOR_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP"}
+# Frozen weights let inductor pack them. Plain linears take the C++ GEMM template alone (it beat
+# oneDNN's kernel at every shape measured, so autotuning between the two only costs compile time);
+# quantized ones may take torch's kernel too, since the int4 template refuses some shapes.
+PLAIN_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP"}
+QUANTIZED_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 MIN_PAST = 2  # torch.compile specializes lengths 0 and 1, so shorter pasts take the eager step
 
 
@@ -105,6 +109,8 @@ class CompiledDecodeStep:
             raise ConfigError("--compile needs a C++ compiler (g++, or $CXX) for torch.compile; none found")
         self.pool = pool
         self.graph = torch.compile(_DecodeGraph(model), mode="max-autotune")
+        plain = all(type(module) is nn.Linear for module in _linear_layers(model))
+        self.options = PLAIN_OPTIONS if plain else QUANTIZED_OPTIONS
 
     def __call__(
         self,
@@ -116,7 +122,7 @@ class CompiledDecodeStep:
         """Logits (1, V) of the token input_ids (1, 1) at position_ids (1, 1), attending over the
         earlier positions at `past_slots` (T,), T >= MIN_PAST; its K/V are written at `slot` (1,)."""
         torch._dynamo.mark_dynamic(past_slots, 0)
-        with inductor_config.patch(INDUCTOR_OPTIONS):
+        with inductor_config.patch(self.options):
             logits, keys, values = self.graph(
                 input_ids, position_ids, past_slots, self.pool.keys, self.pool.values
             )
@@ -125,10 +131,15 @@ class CompiledDecodeStep:
 
 
 def can_compile(model) -> bool:
-    """A family the lean step reproduces, on CPU, its projections plain nn.Linear (not quantized or
-    packed: inductor packs them itself)."""
+    """A family the lean step reproduces, on CPU, none of its projections packed for oneDNN (an opaque
+    weight torch.compile cannot trace; inductor packs plain and int8/int4 layers itself)."""
     if make_decode_step(model) is None or next(model.parameters()).device.type != "cpu":
         return False
+    return not any(isinstance(module, PackedLinear) for module in model.modules())
+
+
+def _linear_layers(model) -> list[nn.Module]:
+    """The projections of every layer and the output layer."""
     projections = [
         child
         for layer in model.model.layers
@@ -136,7 +147,7 @@ def can_compile(model) -> bool:
         for name, child in part.named_children()
         if name.endswith("_proj")
     ]
-    return all(type(module) is nn.Linear for module in [*projections, model.lm_head])
+    return [*projections, model.lm_head]
 
 
 def has_cpp_compiler() -> bool:
