@@ -30,8 +30,10 @@ from kvchat.errors import ConfigError
 # Frozen weights let inductor pack them. Plain linears take the C++ GEMM template alone (it beat
 # oneDNN's kernel at every shape measured, so autotuning between the two only costs compile time);
 # quantized ones may take torch's kernel too, since the int4 template refuses some shapes.
-PLAIN_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP"}
-QUANTIZED_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# Autotuning's reports (written to stderr) stay off the user's terminal.
+_QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+PLAIN_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP", **_QUIET}
+QUANTIZED_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP,ATEN", **_QUIET}
 MIN_PAST = 2  # torch.compile specializes lengths 0 and 1, so shorter pasts take the eager step
 
 

@@ -7,6 +7,7 @@ its leading tokens; `compute` runs the model over the rest, in pieces of at most
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import torch
 
@@ -85,8 +86,10 @@ class Engine:
         """Compile the decode graph now, on a scratch sequence, rather than at the first token."""
         seq = self.start([0] * (MIN_PAST + 1), reuse=False, index=False)
         try:
-            self.compute(seq, until=MIN_PAST)
-            self.compute(seq)
+            with warnings.catch_warnings():  # inductor's autotuner trips torch's own deprecation
+                warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+                self.compute(seq, until=MIN_PAST)
+                self.compute(seq)
         finally:
             self.free(seq)
 
