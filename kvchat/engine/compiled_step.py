@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch._inductor.config as inductor_config
@@ -150,6 +153,15 @@ def _linear_layers(model) -> list[nn.Module]:
         if name.endswith("_proj")
     ]
     return [*projections, model.lm_head]
+
+
+@contextmanager
+def quiet_compile() -> Iterator[None]:
+    """Around the calls that compile the graph: inductor's autotuner trips torch's own deprecation of
+    TypedStorage, which is no news to the user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+        yield
 
 
 def has_cpp_compiler() -> bool:

@@ -7,12 +7,11 @@ its leading tokens; `compute` runs the model over the rest, in pieces of at most
 from __future__ import annotations
 
 import itertools
-import warnings
 
 import torch
 
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, chain_hash
-from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compile
+from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compile, quiet_compile
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.kv_pool import KVPool
 from kvchat.engine.packed_linear import pack_linears_
@@ -86,8 +85,7 @@ class Engine:
         """Compile the decode graph now, on a scratch sequence, rather than at the first token."""
         seq = self.start([0] * (MIN_PAST + 1), reuse=False, index=False)
         try:
-            with warnings.catch_warnings():  # inductor's autotuner trips torch's own deprecation
-                warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+            with quiet_compile():
                 self.compute(seq, until=MIN_PAST)
                 self.compute(seq)
         finally:

@@ -14,7 +14,9 @@ view of one run or the copy.
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -163,8 +165,13 @@ class _PagedLayer(CacheLayerMixin):
 def cache_argument(module: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
     """The keyword argument a transformers forward takes its cache by: `cache` from 5.24 on (where
     `past_key_values` is deprecated, with a warning), `past_key_values` before."""
-    takes_cache = "cache" in inspect.signature(module.forward).parameters
-    return {"cache" if takes_cache else "past_key_values": cache}
+    return {_cache_keyword(type(module).forward): cache}
+
+
+@functools.cache
+def _cache_keyword(forward: Callable) -> str:
+    takes_cache = "cache" in inspect.signature(forward).parameters
+    return "cache" if takes_cache else "past_key_values"
 
 
 class ForwardCache(Cache):
