@@ -12,7 +12,7 @@ import functools
 import typing
 from dataclasses import dataclass
 
-from kvchat.engine.sampling_params import SamplingParams
+from kvchat.engine.records import SamplingParams
 from kvchat.settings_spec import Range, SettingInfo, Spec, setting
 
 

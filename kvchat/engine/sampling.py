@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kvchat.engine.sampling_params import SamplingParams
+from kvchat.engine.records import SamplingParams
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
