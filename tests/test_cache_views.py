@@ -19,10 +19,9 @@ from kvchat.cli.commands import Shell
 from kvchat.cli.runner import Status, run_line
 from kvchat.cli.ui import UI
 from kvchat.config import load_settings
-from kvchat.engine.block_manager import BlockManager
+from kvchat.engine.block_manager import BlockManager, Sequence
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
-from kvchat.engine.sequence import Sequence
 from tests.test_context import GREEDY, make_manager, text
 from tests.tiny_models import KINDS, make_tiny_model
 

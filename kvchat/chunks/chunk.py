@@ -12,8 +12,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from kvchat.chunks.types import Role
-from kvchat.engine.block_manager import BlockManager
-from kvchat.engine.sequence import Sequence
+from kvchat.engine.block_manager import BlockManager, Sequence
 from kvchat.errors import ChunkError
 
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 from kvchat.chunks.chunk import Chunk
 from kvchat.chunks.types import ChunkReport, RepairStrategy, ReuseMode
 from kvchat.engine.blend import recompute_selected
+from kvchat.engine.block_manager import Sequence
 from kvchat.engine.engine import Engine
 from kvchat.engine.rope import rerotate_keys_
-from kvchat.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

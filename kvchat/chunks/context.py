@@ -24,9 +24,9 @@ from kvchat.chunks.types import (
     Role,
 )
 from kvchat.chunks.verify import measure_fidelity
+from kvchat.engine.block_manager import Sequence
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
-from kvchat.engine.sequence import Sequence
 from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import CacheFullError, ChunkError
 from kvchat.interrupts import interrupts_ignored

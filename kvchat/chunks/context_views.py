@@ -17,8 +17,8 @@ from kvchat.chunks.prefix_kv import read_prefix_kv
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import CacheStats, ChunkDetail, ChunkInfo
 from kvchat.chunks.view_state import ViewState, make_view_state
+from kvchat.engine.block_manager import Sequence
 from kvchat.engine.engine import Engine
-from kvchat.engine.sequence import Sequence
 from kvchat.models.device import describe_runtime
 from kvchat.models.info import ModelInfo
 

@@ -19,13 +19,13 @@ from kvchat.chunks.chunk import Chunk, ChunkRegistry, KVSpan
 from kvchat.chunks.compose import ComposedSequence, RepairPolicy, compose
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import InferenceResult, ReuseMode
+from kvchat.engine.block_manager import Sequence
 from kvchat.engine.detokenizer import StreamDetokenizer, split_think
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.records import GenerationStep, PrefillProgress
 from kvchat.engine.rope import rotary_inv_freq
 from kvchat.engine.sampling import SamplingParams
-from kvchat.engine.sequence import Sequence
 from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import CacheFullError
 

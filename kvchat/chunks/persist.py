@@ -19,8 +19,8 @@ from safetensors import SafetensorError, safe_open
 from kvchat.chunks import save_schema, save_target
 from kvchat.chunks.chunk import Chunk, KVSpan
 from kvchat.chunks.save_schema import ChunkRecord, SaveMeta, SpanRecord
+from kvchat.engine.block_manager import Sequence
 from kvchat.engine.engine import Engine
-from kvchat.engine.sequence import Sequence
 from kvchat.errors import StateFileError
 
 

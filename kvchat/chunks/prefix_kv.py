@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kvchat.engine.block_manager import Sequence
 from kvchat.engine.engine import Engine
-from kvchat.engine.sequence import Sequence
 
 
 def read_prefix_kv(

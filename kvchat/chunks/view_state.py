@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from kvchat.chunks.chunk import Chunk, KVSpan
 from kvchat.chunks.describe import kept_span
 from kvchat.chunks.types import Role
-from kvchat.engine.block_manager import BlockManager
-from kvchat.engine.sequence import Sequence
+from kvchat.engine.block_manager import BlockManager, Sequence
 from kvchat.errors import ChunkError
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from kvchat.engine.block_manager import Sequence
 from kvchat.engine.engine import Engine
 from kvchat.engine.paged_attention import PagedKV, SelectiveCache, cache_argument
-from kvchat.engine.sequence import Sequence
 
 
 @torch.inference_mode()

@@ -1,8 +1,9 @@
 """Bookkeeping of the paged KV cache: which block holds which tokens, who references it, what can go.
 
-Pure Python over ints; the tensors live in `kv_pool`. A block's KV is valid for the tokens it records
-together with the exact prefix its hash chain names, so a lookup can trust it. Blocks holding
-approximate KV (repositioned chunks) are never recorded, so they can never be served as exact.
+Pure Python over ints; the tensors live in the KV pool (`paged_attention`). A `Sequence` is a run of
+token ids and its block table. A block's KV is valid for the tokens it records together with the
+exact prefix its hash chain names, so a lookup can trust it. Blocks holding approximate KV
+(repositioned chunks) are never recorded, so they can never be served as exact.
 """
 
 from __future__ import annotations
@@ -25,6 +26,48 @@ def chain_hash(parent_hash: int, token_ids: list[int]) -> int:
     h.update(parent_hash.to_bytes(8, "little"))
     h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
     return int.from_bytes(h.digest(), "little")
+
+
+@dataclass
+class Sequence:
+    """A sequence: its token ids and the blocks that hold their KV. Everything else is derived."""
+
+    token_ids: list[int]
+    block_size: int
+    seq_id: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose KV is written
+    num_exact: int | None = None  # leading tokens whose KV is exact; None: all of them
+    num_recorded: int = 0  # leading tokens already declared reusable to the block manager
+    block_hashes: list[int] = field(default_factory=list)  # chain hash after each full block, memoized
+    indexed: bool = True  # whether its exact KV is declared reusable to the block manager
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_blocks_needed(self) -> int:
+        return -(-self.num_tokens // self.block_size)
+
+    @property
+    def exact_limit(self) -> int:
+        return self.num_tokens if self.num_exact is None else self.num_exact
+
+    def slot(self, position: int) -> int:
+        return self.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def slots(self, start: int, end: int) -> list[int]:
+        return self.slots_at(range(start, end))
+
+    def slots_at(self, positions) -> list[int]:
+        return [self.slot(i) for i in positions]
+
+    def blocks_covering(self, start: int, end: int) -> list[int]:
+        """The block ids that hold positions start..end-1."""
+        if end <= start:
+            return []
+        return self.block_table[start // self.block_size : (end - 1) // self.block_size + 1]
 
 
 @dataclass

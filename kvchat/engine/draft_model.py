@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from kvchat.engine.block_manager import Sequence
 from kvchat.engine.engine import Engine
-from kvchat.engine.sequence import Sequence
 from kvchat.errors import CacheFullError
 
 

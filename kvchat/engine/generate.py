@@ -7,11 +7,11 @@ from collections.abc import Generator
 
 import torch
 
+from kvchat.engine.block_manager import Sequence
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.records import GenerationStats, GenerationStep, PrefillProgress
 from kvchat.engine.sampling import Sampler, SamplingParams, make_sampler
-from kvchat.engine.sequence import Sequence
 from kvchat.engine.speculate import DraftBudget, Speculation
 
 
