@@ -13,7 +13,7 @@ from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import RepairStrategy, ReuseMode
 from kvchat.config import CacheSettings, DecodeSettings, ReuseSettings, Settings
 from kvchat.engine.engine import Engine, kv_shape
-from kvchat.engine.kv_pool import KVPool
+from kvchat.engine.paged_attention import KVPool
 from kvchat.engine.speculate import Speculation
 from kvchat.errors import ConfigError, DraftModelError
 from kvchat.models.device import available_memory_bytes

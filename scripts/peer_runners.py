@@ -12,10 +12,10 @@ from bench_common import DTYPES, QWEN25_3B
 from peer_gguf import weight_bytes
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from kvchat.engine.decode_step import PackedLinear
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationStep, generate
-from kvchat.engine.packed_linear import PackedLinear
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import Speculation
 from kvchat.settings_schema import DecodeSettings

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvchat.engine.compiled_step import MIN_PAST, can_compile, has_cpp_compiler
+from kvchat.engine.decode_step import pack_linears_
 from kvchat.engine.engine import Engine
-from kvchat.engine.packed_linear import pack_linears_
 from kvchat.models.quantize import quantize_model
 from tests.tiny_models import KINDS, make_tiny_model
 

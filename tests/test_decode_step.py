@@ -9,11 +9,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step, rms_norm, rope
+from kvchat.engine.decode_step import (
+    MAX_LEAN_TOKENS,
+    PackedLinear,
+    can_pack,
+    make_decode_step,
+    pack_linears_,
+    rms_norm,
+    rope,
+)
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
-from kvchat.engine.packed_linear import PackedLinear, can_pack, pack_linears_
 from kvchat.engine.paged_attention import grouped_attention
 from kvchat.engine.sampling import SamplingParams
 from tests.tiny_models import KINDS, make_tiny_model

@@ -25,9 +25,8 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 
-from kvchat.engine.decode_step import make_decode_step, rms_norm, rope, rotation
-from kvchat.engine.kv_pool import KVPool
-from kvchat.engine.packed_linear import PackedLinear
+from kvchat.engine.decode_step import PackedLinear, make_decode_step, rms_norm, rope, rotation
+from kvchat.engine.paged_attention import KVPool
 from kvchat.errors import ConfigError
 
 # Frozen weights let inductor pack them. Plain linears take the C++ GEMM template alone (it beat

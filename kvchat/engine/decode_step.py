@@ -1,12 +1,17 @@
-"""The lean decode step: one token, or speculation's few, through a layer loop over the model's own
-modules, without the module forward's cache and mask bookkeeping.
+"""Decoding on CPU through the model's own modules: the lean decode step and oneDNN-packed linears.
 
-For a 135M model the weights take ~20 ms a token to read where the module forward took ~60; the rest
+The lean step runs one token, or speculation's few, through a layer loop over the model's modules,
+without the module forward's cache and mask bookkeeping. For a 135M model the weights take ~20 ms a token to read where the module forward took ~60; the rest
 was per-op overhead and bf16 SDPA. The loop calls the model's own modules (projections, MLP, rotary
 embedding), so replaced linear layers (quantized ones) run unchanged; the RMSNorms and the rotation
-are the same arithmetic in fewer ops. Only families whose
-decoder layer it reproduces exactly take it (Llama, Qwen2, Qwen3, full attention); others keep the
-module forward.
+are the same arithmetic in fewer ops. Only families whose decoder layer it reproduces exactly take it
+(Llama, Qwen2, Qwen3, full attention); others keep the module forward.
+
+Linear layers packed for oneDNN (`pack_linears_`, every bf16 nn.Linear of a CPU model, for the module
+forward too): torch's bf16 `F.linear` of one token reads weights at 2-5 GB/s on these CPUs; the same
+matmul on a weight reordered once for oneDNN's kernels runs ~1.5x faster (SmolLM2 decode: ~1.4x a
+token), and no slower on a 512-token prefill. The packed weight is an opaque tensor, so it is kept out
+of the module's parameters (a tied output layer keeps the embedding's tensor and gets a packed copy).
 """
 
 from __future__ import annotations
@@ -15,12 +20,53 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kvchat.engine.paged_attention import KVRuns, grouped_attention
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
 RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})  # weight * normalized x
 MAX_LEAN_TOKENS = 16  # beyond speculation's drafts a forward is a prefill, where SDPA is the better kernel
+
+
+def can_pack(module: nn.Module) -> bool:
+    """An exact nn.Linear in bf16 on a CPU whose torch has oneDNN's packed linear kernels."""
+    return (
+        type(module) is nn.Linear
+        and module.weight.dtype == torch.bfloat16
+        and module.weight.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+class PackedLinear(nn.Module):
+    """The drop-in replacement of a bf16 nn.Linear (same inputs and outputs, weight packed)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()  # (out, in)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # opaque, not a parameter
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (N, in)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")  # (N, out)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linears_(model: nn.Module) -> int:
+    """Replace every packable linear of `model` in place; returns how many were replaced."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear) and can_pack(child)
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child))
+    return len(targets)
 
 
 class KVStore(Protocol):

@@ -12,10 +12,8 @@ import torch
 
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, Sequence, chain_hash
 from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compile, quiet_compile
-from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
-from kvchat.engine.kv_pool import KVPool
-from kvchat.engine.packed_linear import pack_linears_
-from kvchat.engine.paged_attention import ForwardCache, PagedKV, cache_argument, position_slots
+from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step, pack_linears_
+from kvchat.engine.paged_attention import ForwardCache, KVPool, PagedKV, cache_argument, position_slots
 from kvchat.errors import CacheFullError
 
 
