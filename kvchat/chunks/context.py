@@ -3,14 +3,16 @@ KV kept alive for them (retained outputs and the live conversation)."""
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvchat.chunks import describe
+from kvchat.chunks import describe, persist
 from kvchat.chunks.chunk import Chunk, ChunkRegistry
 from kvchat.chunks.compose import NO_REPAIR, ComposedSequence, RepairPolicy
-from kvchat.chunks.context_file import load_session, save_session
+from kvchat.chunks.context_file import save_session, stage_session
 from kvchat.chunks.context_views import ContextViews
 from kvchat.chunks.inference import Inference, Setup
 from kvchat.chunks.reports import FidelityReport
@@ -29,7 +31,6 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import CacheFullError, ChunkError
-from kvchat.interrupts import interrupts_ignored
 
 _TEMPLATE_ROLE = {
     Role.SYSTEM: "system",
@@ -260,7 +261,7 @@ class ContextManager(ContextViews):
     def _settle(self, run: Inference, turn: Chunk | None) -> Chunk | None:
         """Keep the answer: its output chunk, the spans of the chunks it computed, the live sequence.
         Ctrl-C is ignored meanwhile: the turn is ending anyway."""
-        with interrupts_ignored():
+        with _interrupts_ignored():
             kept = run.keep(self.registry)
             if kept is None:
                 return None
@@ -279,8 +280,23 @@ class ContextManager(ContextViews):
 
     def load(self, path: Path) -> int:
         """Replace the session with the one saved in `path` in one swap; returns the number of chunks.
-        A file refused, too big or interrupted changes nothing."""
-        return load_session(self, path)
+        The whole file is checked and its KV staged beside the session first: a file refused, too big
+        or interrupted changes nothing."""
+        saved, live, chunks = stage_session(self, path)
+        committed = False
+        try:
+            with _interrupts_ignored():  # the swap is bookkeeping over ints: once begun, it runs to the end
+                self.reset()
+                self.registry.restore(chunks)
+                self.live, committed = live, True
+                c = saved.context
+                self.system, self.middle, self.turns, self.query = c.system, c.middle, c.turns, c.query
+                if live is not None:
+                    self.engine.index(live)
+        finally:
+            if not committed:
+                persist.unstage(self.engine, live, chunks)
+        return len(chunks)
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -303,3 +319,20 @@ class ContextManager(ContextViews):
         if self.live is not None:
             self.engine.free(self.live)
             self.live = None
+
+
+@contextmanager
+def _interrupts_ignored() -> Iterator[None]:
+    """Ignore SIGINT while the block runs: for the steps that end an operation already under way (keeping
+    a cancelled turn's answer, swapping a loaded session in), where a second Ctrl-C would lose state and
+    stop nothing sooner. Outside the main thread, or under a handler Python did not install, this
+    changes nothing."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

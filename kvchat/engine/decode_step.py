@@ -1,11 +1,12 @@
 """Decoding on CPU through the model's own modules: the lean decode step and oneDNN-packed linears.
 
 The lean step runs one token, or speculation's few, through a layer loop over the model's modules,
-without the module forward's cache and mask bookkeeping. For a 135M model the weights take ~20 ms a token to read where the module forward took ~60; the rest
-was per-op overhead and bf16 SDPA. The loop calls the model's own modules (projections, MLP, rotary
-embedding), so replaced linear layers (quantized ones) run unchanged; the RMSNorms and the rotation
-are the same arithmetic in fewer ops. Only families whose decoder layer it reproduces exactly take it
-(Llama, Qwen2, Qwen3, full attention); others keep the module forward.
+without the module forward's cache and mask bookkeeping. For a 135M model the weights take ~20 ms a
+token to read where the module forward took ~60; the rest was per-op overhead and bf16 SDPA. The loop
+calls the model's own modules (projections, MLP, rotary embedding), so replaced linear layers
+(quantized ones) run unchanged; the RMSNorms and the rotation are the same arithmetic in fewer ops.
+Only families whose decoder layer it reproduces exactly take it (Llama, Qwen2, Qwen3, full
+attention); others keep the module forward.
 
 Linear layers packed for oneDNN (`pack_linears_`, every bf16 nn.Linear of a CPU model, for the module
 forward too): torch's bf16 `F.linear` of one token reads weights at 2-5 GB/s on these CPUs; the same
