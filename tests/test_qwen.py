@@ -42,7 +42,7 @@ def test_think_spans_stream_apart_leave_the_text_and_stay_in_the_kv():
     cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({IM_END, 151643}))
     cm.set_query("Hi!")
     model.prompt_len = sum(len(c.token_ids) for c in cm.context_chunks()) + len(
-        cm.format.generation_prompt_ids()
+        cm.format.generation_prompt_ids
     )
     *steps, result = cm.infer(SamplingParams(max_tokens=40))
     assert isinstance(result, InferenceResult) and result.finish_reason == "stop"

@@ -74,7 +74,7 @@ def compose_ids(fmt: ChatFormat, messages: list[dict[str, str]]) -> list[int]:
         ids += fmt.start_ids if prompt is None else fmt.segment_ids("system", prompt)
     for m in messages:
         ids += fmt.segment_ids(m["role"], m["content"])
-    return ids + fmt.generation_prompt_ids()
+    return ids + list(fmt.generation_prompt_ids)
 
 
 @pytest.fixture(scope="module", params=list(LOADERS))
@@ -94,7 +94,7 @@ def test_segments_concatenate_to_the_template_rendering(case: tuple, conversatio
 def test_default_system_prompt_is_found_by_rendering(case: tuple) -> None:
     name, _, fmt = case
     assert fmt.default_system_prompt == DEFAULT_SYSTEM_PROMPTS[name]
-    assert fmt.start_ids == []
+    assert fmt.start_ids == ()
     assert not fmt.uses_fallback_template
 
 
@@ -102,18 +102,18 @@ def test_end_of_turn_is_im_end(case: tuple) -> None:
     _, tokenizer, fmt = case
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert fmt.end_of_turn_id == im_end
-    assert fmt.assistant_close_ids()[0] == im_end
+    assert fmt.assistant_close_ids[0] == im_end
 
 
 @pytest.mark.parametrize("content", ["The capital of France is Paris.", "Line one.\nLine two: 世界 🌍"])
 def test_assistant_segment_from_generated_ids(case: tuple, content: str) -> None:
     _, tokenizer, fmt = case
     content_ids = tokenizer.encode(content, add_special_tokens=False)
-    reused = fmt.generation_prompt_ids() + content_ids + fmt.assistant_close_ids()  # an output's ids
+    reused = [*fmt.generation_prompt_ids, *content_ids, *fmt.assistant_close_ids]  # an output's ids
     assert reused == fmt.segment_ids("assistant", content)
     messages = [msg("system", "S."), msg("user", "Q?"), msg("assistant", content), msg("user", "More?")]
     composed = fmt.segment_ids("system", "S.") + fmt.segment_ids("user", "Q?") + reused
-    composed += fmt.segment_ids("user", "More?") + fmt.generation_prompt_ids()
+    composed += [*fmt.segment_ids("user", "More?"), *fmt.generation_prompt_ids]
     assert composed == render_ids(tokenizer, messages)
 
 
@@ -176,7 +176,7 @@ def test_bos_written_by_the_template_goes_to_the_first_segment(qwen3_tokenizer: 
     fmt = ChatFormat(tokenizer)
     bos = qwen3_tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert fmt.default_system_prompt is None
-    assert fmt.start_ids == [bos]
+    assert fmt.start_ids == (bos,)
     assert fmt.segment_ids("system", "S.")[0] == bos
     assert fmt.segment_ids("user", "U.")[0] != bos
     for messages in CONVERSATIONS.values():

@@ -85,7 +85,7 @@ class ContextViews:
             self.context_chunks() if with_context else [],
             self.live,
             can_answer=self.query is not None or bool(self.turns),
-            format_ids=(self.format.generation_prompt_ids(), self.format.assistant_close_ids()),
+            format_ids=(self.format.generation_prompt_ids, self.format.assistant_close_ids),
         )
 
     def read_prefix_kv(self, token_ids: list[int], end: int) -> tuple[torch.Tensor, torch.Tensor, bool]:

@@ -81,8 +81,8 @@ class Inference:
         """The context's sequence with KV reused per the mode, room checked for `reserve_tokens` more.
         Its blocks are this inference's from the first one taken."""
         engine = self.setup.engine
-        gen_ids = self.setup.format.generation_prompt_ids()
-        token_ids = [t for c in self.chunks for t in c.token_ids] + gen_ids
+        gen_ids = self.setup.format.generation_prompt_ids
+        token_ids = [t for c in self.chunks for t in c.token_ids] + list(gen_ids)
         _check_room(engine, len(token_ids), reserve_tokens)
         self._seq = engine.new_sequence(token_ids)
         mode = self.setup.mode
@@ -98,7 +98,7 @@ class Inference:
         """Stream the prefill's progress and the answer. A KeyboardInterrupt (raised inside, or thrown
         in at a yield) ends it quietly: what was generated so far is the answer."""
         t0 = time.perf_counter()
-        close_ids = self.setup.format.assistant_close_ids()
+        close_ids = self.setup.format.assistant_close_ids
         try:
             seq = self.compose(self.params.max_tokens + len(close_ids)).seq
             self.plan_s = time.perf_counter() - t0
@@ -143,7 +143,7 @@ class Inference:
             return None
         engine, seq = self.setup.engine, self._seq
         fmt = self.setup.format
-        close_ids = fmt.assistant_close_ids()
+        close_ids = fmt.assistant_close_ids
         generated = self.generated_ids
         if self.finish_reason == "stop" and generated and generated[-1] == close_ids[0]:
             engine.extend(seq, close_ids[1:])
@@ -151,7 +151,7 @@ class Inference:
             engine.extend(seq, close_ids)  # an unfinished answer is closed before it can be reused
         if seq.num_computed < seq.num_tokens:
             engine.compute(seq)
-        start = self.prompt_len - len(fmt.generation_prompt_ids())
+        start = self.prompt_len - len(fmt.generation_prompt_ids)
         _, _, had_think = split_think(generated, fmt.think_ids)
         return Answer("".join(self.text).strip(), seq.token_ids[start:], start, had_think, self.finish_reason)
 

@@ -72,41 +72,24 @@ class ChatFormat:
         asked = self._render(
             [_message("system", _PROBE_SYSTEM), _message("user", _PROBE_USER)], add_generation_prompt=True
         )
-        self._generation_prompt_ids = self._encode(
-            self._require(_between(asked, with_suffix, ""), "the generation prompt")
+        # The ids add_generation_prompt=True appends (e.g. "<|im_start|>assistant\n").
+        self.generation_prompt_ids = tuple(
+            self._encode(self._require(_between(asked, with_suffix, ""), "the generation prompt"))
         )
         assistant = self._segment_text("assistant", _MARK)
         if assistant.count(_MARK) != 1:
             raise ChunkError("the chat template rewrites assistant messages; cannot find their closing text")
-        self._assistant_close_ids = self._encode(assistant.split(_MARK)[1])
-        self._default_system_prompt, self._start_ids = self._find_default_system_prompt()
-        self._think_ids = self._find_think_ids()
-        self._end_of_turn_id = self._find_end_of_turn_id()
+        # The ids that close an assistant turn after its content (e.g. "<|im_end|>\n").
+        self.assistant_close_ids = tuple(self._encode(assistant.split(_MARK)[1]))
+        # The system text the template inserts when a conversation has none, else None; and the ids it
+        # writes before a first message that is not a system message (a BOS), meaningful only when there
+        # is no such default (else the context starts with that system segment; empty for ChatML).
+        self.default_system_prompt, self.start_ids = self._find_default_system_prompt()
+        # (<think>, </think>) ids when the tokenizer has both as single tokens, else None.
+        self.think_ids = self._find_think_ids()
+        # The token that ends an assistant turn (e.g. <|im_end|>), None if the template has none.
+        self.end_of_turn_id = self._find_end_of_turn_id()
         self._check_probe_conversation()
-
-    @property
-    def default_system_prompt(self) -> str | None:
-        """The system text the template inserts when a conversation has none, else None."""
-        return self._default_system_prompt
-
-    @property
-    def start_ids(self) -> list[int]:
-        """Ids the template writes before a first message that is not a system message (a BOS).
-
-        Empty for ChatML templates; a system segment already holds them. Only meaningful when
-        `default_system_prompt` is None (otherwise the context starts with that system segment).
-        """
-        return list(self._start_ids)
-
-    @property
-    def think_ids(self) -> tuple[int, int] | None:
-        """(<think>, </think>) ids when the tokenizer has both as single tokens, else None."""
-        return self._think_ids
-
-    @property
-    def end_of_turn_id(self) -> int | None:
-        """The token that ends an assistant turn (e.g. <|im_end|>), None if the template has none."""
-        return self._end_of_turn_id
 
     def segment_ids(self, role: str, text: str) -> list[int]:
         """The ids of one message as the template renders it mid-conversation.
@@ -118,14 +101,6 @@ class ChatFormat:
         if role not in ROLES:
             raise ChunkError(f"unknown chat role {role!r}: expected one of {', '.join(ROLES)}")
         return self._encode(self._segment_text(role, text))
-
-    def generation_prompt_ids(self) -> list[int]:
-        """The ids add_generation_prompt=True appends (e.g. "<|im_start|>assistant\\n")."""
-        return list(self._generation_prompt_ids)
-
-    def assistant_close_ids(self) -> list[int]:
-        """The ids that close an assistant turn after its content (e.g. "<|im_end|>\\n")."""
-        return list(self._assistant_close_ids)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         kwargs: dict[str, Any] = {}
@@ -162,18 +137,18 @@ class ChatFormat:
         )
         return self._require(_between(rendered, self._head_text, self._suffix_text), f"a {role} message")
 
-    def _find_default_system_prompt(self) -> tuple[str | None, list[int]]:
+    def _find_default_system_prompt(self) -> tuple[str | None, tuple[int, ...]]:
         """Render a conversation without a system message and see what precedes its user turn."""
         user_text = self._segment_text("user", _PROBE_USER)
         alone = self._render([_message("user", _PROBE_USER)])
         lead = self._require(_between(alone, "", user_text), "a missing system message")
         if not lead:
-            return None, []
+            return None, ()
         system_head, _, system_tail = self._segment_text("system", _MARK).partition(_MARK)
         default = _between(lead, system_head, system_tail)
         if default is not None and self._segment_text("system", default) == lead:
-            return default, []
-        return None, self._encode(lead)
+            return default, ()
+        return None, tuple(self._encode(lead))
 
     def _find_think_ids(self) -> tuple[int, int] | None:
         open_ids = self._encode("<think>")
@@ -183,9 +158,9 @@ class ChatFormat:
         return open_ids[0], close_ids[0]
 
     def _find_end_of_turn_id(self) -> int | None:
-        if not self._assistant_close_ids:
+        if not self.assistant_close_ids:
             return None
-        first = self._assistant_close_ids[0]
+        first = self.assistant_close_ids[0]
         # A plain-text closing (fallback ChatML on a tokenizer without <|im_end|>) is no stop token.
         special_ids = set(getattr(self._tokenizer, "added_tokens_decoder", {}))
         special_ids.update(self._tokenizer.all_special_ids)
@@ -200,6 +175,6 @@ class ChatFormat:
             _message("user", "Bye."),
         ]
         ids = [i for m in messages for i in self.segment_ids(m["role"], m["content"])]
-        ids += self._generation_prompt_ids
+        ids += self.generation_prompt_ids
         if ids != self._encode(self._render(messages, add_generation_prompt=True)):
             raise ChunkError("the tokenizer joins chat-template segments differently than it splits them")

@@ -58,7 +58,7 @@ def make_view_state(
     context: list[Chunk],
     live: Sequence | None,
     can_answer: bool = False,
-    format_ids: tuple[list[int], list[int]] = ([], []),
+    format_ids: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
 ) -> ViewState:
     """Copy what the views read: the chunks and the live sequence as they are now, each block's counts."""
     copies = {c.chunk_id: dataclasses.replace(c, token_ids=list(c.token_ids)) for c in chunks}

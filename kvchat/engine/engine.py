@@ -7,6 +7,7 @@ its leading tokens; `compute` runs the model over the rest, in pieces of at most
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 import torch
 
@@ -136,7 +137,7 @@ class Engine:
                 seq.num_computed += match.num_copy
         self._record(seq)
 
-    def extend(self, seq: Sequence, token_ids: list[int]) -> None:
+    def extend(self, seq: Sequence, token_ids: Iterable[int]) -> None:
         """Append tokens to a sequence (their KV is computed by the next `compute`)."""
         seq.token_ids.extend(token_ids)
         if seq.num_blocks_needed > len(seq.block_table):
