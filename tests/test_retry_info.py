@@ -90,11 +90,11 @@ def test_compare_tells_each_mode_as_it_answers_and_compares_the_same(model):
     cm.set_query("where did the cat sit")
     drain(cm.infer(GREEDY))
     notes: list[str] = []
-    told = cache_commands.compare(cm, "", GREEDY, notes.append)
+    told = cache_commands.compare_modes_told(cm, "", GREEDY, notes.append)
     assert notes[0] == "answering under exact, reposition, repair, greedily, up to 6 tokens each"
     assert [n.split(" answered")[0] for n in notes[1:]] == ["reposition", "repair", "exact"]  # exact last
     assert all(f"({i} of 3)" in n for i, n in enumerate(notes[1:], 1))
-    untold = cache_commands.compare(cm, "", GREEDY)
+    untold = cache_commands.compare_modes_told(cm, "", GREEDY)
     assert [r.token_ids for r in told.results] == [r.token_ids for r in untold.results]
 
 

@@ -1,5 +1,7 @@
-"""The argument handling of the cache views' commands, kept out of the shell's file. The modules that
-run the model are imported when a command runs, so that starting the CLI loads no torch."""
+"""The cache views' commands: /show, /stats, /blocks, /attention, /compare and /verify. The shell's
+class takes them as its own methods (`stats = cache_commands.stats`), in the place /help lists them.
+The modules that run the model are imported when a command runs, so that starting the CLI loads no
+torch."""
 
 from __future__ import annotations
 
@@ -7,16 +9,131 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from kvchat.chunks.blockmap import BlockMap, cache_map
 from kvchat.chunks.reports import AttentionReport, Comparison, FidelityReport
-from kvchat.chunks.types import ChunkDetail, ReuseMode
+from kvchat.chunks.types import CacheStats, ChunkDetail, ReuseMode
+from kvchat.cli.arguments import count
 from kvchat.cli.results import ChunkHeat
+from kvchat.cli.slash_commands import ArgKind, command
 from kvchat.errors import CommandError
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
+    from kvchat.cli.commands import Shell
     from kvchat.engine.sampling import SamplingParams
 
 DEFAULT_MODES = (ReuseMode.EXACT, ReuseMode.REPOSITION, ReuseMode.REPAIR)
+
+
+@command(
+    "show",
+    "Show one chunk: text, token ids, positions, blocks; with heat, what the last answer attended to",
+    usage="N|ID [heat]",
+    arg=ArgKind.CHUNK,
+)
+def show(self: Shell, arg: str) -> ChunkDetail | ChunkHeat:
+    """Everything about one chunk, by number or id: its number, role and id; its tokens and token
+    ids (the first 64; --json has all); the positions it takes in the current context; the positions
+    its kept KV was computed at (where these differ, reuse must reposition or recompute it); the
+    blocks holding that KV and their references; for outputs, the number, the chunks of the context
+    it came from and whether thinking was hidden; then the text.
+    With `heat`: the chunk's tokens shaded by the share of attention the last answer paid to each,
+    and the most attended tokens (the shares sum to the chunk's row of /attention).
+    """
+    ref, _, option = arg.partition(" ")
+    if option.strip() not in ("", "heat"):
+        raise CommandError(f"unknown option {option.strip()!r}: /show N|ID [heat]")
+    detail = self.ctx.chunk(ref)
+    if not option.strip():
+        return detail
+    return _heat(self.ctx, detail)
+
+
+@command("stats", "KV cache blocks, bytes and hit rate")
+def stats(self: Shell, arg: str) -> CacheStats:
+    """The paged KV cache, whose size --ctx-size (tokens) or --kv-memory (MiB) sets.
+    Rows:
+      blocks      used (referenced by the live sequence or a chunk), pinned (retained outputs),
+                  cached (unreferenced but holding reusable KV, evicted least recently used first),
+                  free, and total
+      tokens      tokens the used blocks hold room for, and the whole budget in tokens
+      block size  tokens per block, and the bytes one block takes
+      KV memory   bytes of the used blocks, of the whole budget (--kv-memory)
+      hit rate    prompt tokens found in the cache, of those looked up, since start or /reset
+    """
+    return self.ctx.stats()
+
+
+@command("blocks", "Map of the KV pool: each block's chunk, sharing, pins, moved KV")
+def blocks(self: Shell, arg: str) -> BlockMap:
+    """One cell per block of the KV pool, lettered by the chunk whose KV it holds (the legend gives
+    each letter's chunk number, role, id and the blocks its tokens are in). Marks: + pinned (a
+    retained output), * pinned and shared, = shared (more than one reference), . cached
+    (unreferenced, reusable KV, evicted least recently used first), ·· free. A lowercase letter:
+    the block holds moved (repositioned, not exact) KV. The letter - : no chunk holds the block
+    now (-. is KV an earlier sequence, a deleted output or /verify left cached, still reusable).
+    Long runs of equal cells are one line with their block range.
+    The legend counts every block holding a chunk's tokens: its own kept KV and the live
+    conversation's blocks (a block shared by two chunks counts for both). /chunks counts only
+    the blocks kept for the chunk itself, so a query or a user turn, held only by the live
+    conversation, shows blocks here and 0 there.
+    """
+    return cache_map(self.ctx)
+
+
+@command(
+    "attention",
+    "Share of attention the last answer (or output N) paid to each chunk of its context",
+    usage="[N]",
+    arg=ArgKind.OUTPUT,
+)
+def attention(self: Shell, arg: str) -> AttentionReport:
+    """Re-reads the last answer (or output N) teacher-forced with attention weights, one extra
+    forward over the answer, and shows the share of attention its tokens paid to each chunk of its
+    context, averaged over heads and layers, and per layer group (early, middle, late thirds).
+    The first 4 tokens (attention sinks) have a row of their own; the shares sum to 1.
+    """
+    from kvchat.chunks.attention import attention_map
+
+    with cancellable("attention"):
+        return attention_map(self.ctx, count(arg) if arg else None)
+
+
+@command(
+    "compare",
+    "Answer the query under each mode (default: exact reposition repair), greedily, side by side",
+    usage="[MODE...]",
+    arg=ArgKind.MODE,
+)
+def compare(self: Shell, arg: str) -> Comparison:
+    """Answers the current query once per MODE (exact, reposition, repair; default all three) from
+    the same cached chunks, greedily whatever the sampling settings, so differences come from the
+    KV alone. Shows each answer with the first differing token marked, its time to first token,
+    the prompt tokens it computed and its per-token agreement with the reference (exact if
+    compared, else the first mode). Nothing is kept: no output, the live sequence unchanged.
+    """
+    return compare_modes_told(self.ctx, arg, self.settings.sampling, self.notify)
+
+
+@command(
+    "verify", "Compare the reuse mode with a full recompute over N tokens", usage="[N]", arg=ArgKind.TEXT
+)
+def verify(self: Shell, arg: str) -> FidelityReport:
+    """Runs the current context twice: once composed in the reuse mode, once fully recomputed, and
+    compares them. N (default reuse.verify_tokens, 16) is how many answer positions are compared. It
+    needs room for a second copy of the context's KV; nothing is kept.
+      KL divergence   KL(full || mode) of the next-token distributions, in nats; 0 is identical
+      next token      whether both pick the same most likely next token
+      top-5 overlap   how many of the 5 most likely next tokens both share
+      max logit diff  the largest difference between the two next-token logits
+      greedy agrees   leading greedy tokens that agree before the first difference, of N
+      top-1 rate      share of the N positions whose most likely token agrees, both fed the full
+                      recompute's tokens (so one difference does not spoil the rest)
+      tokens          reused, repositioned and computed prompt tokens in the reuse mode
+    Fewer than N positions are compared when the full recompute's answer ends sooner.
+    """
+    with cancellable("verify"):
+        return self.ctx.verify(count(arg) if arg else self.settings.reuse.verify_tokens)
 
 
 @contextmanager
@@ -28,21 +145,11 @@ def cancellable(command: str, outcome: str = "") -> Iterator[None]:
         raise CommandError(f"/{command} cancelled{outcome}") from None
 
 
-def attention(ctx: ContextManager, output_number: int | None) -> AttentionReport:
-    from kvchat.chunks.attention import attention_map
-
-    with cancellable("attention"):
-        return attention_map(ctx, output_number)
-
-
-def verify(ctx: ContextManager, num_tokens: int) -> FidelityReport:
-    with cancellable("verify"):
-        return ctx.verify(num_tokens)
-
-
-def compare(
+def compare_modes_told(
     ctx: ContextManager, arg: str, params: SamplingParams, notify: Callable[[str], None] | None = None
 ) -> Comparison:
+    """/compare's modes (`arg`, default exact reposition repair) answered greedily; each answer is told
+    to `notify`, when given, as it comes."""
     names = arg.split()
     known = [m.value for m in ReuseMode]
     for name in names:
@@ -64,7 +171,7 @@ def compare(
     return compare_modes(ctx, modes, params, answered)
 
 
-def heat(ctx: ContextManager, detail: ChunkDetail) -> ChunkHeat:
+def _heat(ctx: ContextManager, detail: ChunkDetail) -> ChunkHeat:
     from kvchat.chunks.attention import attention_map, token_pieces
 
     report = attention_map(ctx)
