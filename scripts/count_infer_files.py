@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 import kvchat
-from kvchat.cli.commands import Shell
-from kvchat.cli.runner import run_line
+from kvchat.cli.commands import Shell, run_line
 from kvchat.cli.ui import UI
 from kvchat.config import load_settings
 from kvchat.session import open_session

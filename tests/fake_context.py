@@ -25,8 +25,7 @@ from kvchat.chunks.types import (
     ReuseMode,
     Role,
 )
-from kvchat.cli.commands import Shell
-from kvchat.cli.runner import Status, run_line
+from kvchat.cli.commands import Shell, Status, run_line
 from kvchat.cli.ui import UI
 from kvchat.config import load_settings
 from kvchat.engine.records import GenerationStats, GenerationStep

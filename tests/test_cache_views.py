@@ -15,8 +15,7 @@ from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import ReuseMode, Role
 from kvchat.chunks.view_state import make_view_state
-from kvchat.cli.commands import Shell
-from kvchat.cli.runner import Status, run_line
+from kvchat.cli.commands import Shell, Status, run_line
 from kvchat.cli.ui import UI
 from kvchat.config import load_settings
 from kvchat.engine.block_manager import BlockManager, Sequence

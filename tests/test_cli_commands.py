@@ -6,7 +6,7 @@ import pytest
 
 from kvchat.chunks.types import RepairStrategy, ReuseMode
 from kvchat.cli.arguments import MAX_FILE_BYTES
-from kvchat.cli.runner import Status
+from kvchat.cli.commands import Status
 from tests.fake_context import make_harness
 
 

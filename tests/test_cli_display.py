@@ -4,7 +4,7 @@ import io
 
 from rich.console import Console
 
-from kvchat.cli.runner import Status
+from kvchat.cli.commands import Status
 from kvchat.cli.ui import THEME
 from tests.fake_context import Response, make_harness
 

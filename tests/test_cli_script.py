@@ -3,7 +3,7 @@
 import io
 import json
 
-from kvchat.cli.runner import Status
+from kvchat.cli.commands import Status
 from kvchat.cli.script import MAX_LINE_BYTES, ScriptCommand, read_commands, run_script
 from tests.fake_context import make_harness
 

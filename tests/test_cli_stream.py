@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kvchat.chunks.types import InferenceResult, ReuseMode
-from kvchat.cli.runner import Status, consume
+from kvchat.cli.commands import Status, consume
 from kvchat.errors import KvchatError
 from tests.fake_context import Response, fake_step, make_harness
 

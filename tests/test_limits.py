@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from kvchat.chunks.template import ChatFormat
 from kvchat.cli.app import make_app
-from kvchat.cli.runner import Status
+from kvchat.cli.commands import Status
 from kvchat.cli.script import read_commands
 from kvchat.errors import ConfigError
 from kvchat.session import check_kv_memory

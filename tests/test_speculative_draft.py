@@ -147,7 +147,7 @@ def test_speculative_answers_equal_plain_through_the_context_manager(smollm2):
 
 
 def test_speculation_settings_are_checked_and_set_live():
-    from kvchat.cli.runner import Status
+    from kvchat.cli.commands import Status
     from kvchat.config import load_settings, replace_setting
     from kvchat.errors import ConfigError
     from tests.fake_context import make_harness

@@ -1,4 +1,6 @@
-"""The shell: one session's context manager and settings, and the slash commands that act on them.
+"""The shell: one session's context manager and settings, and the slash commands that act on them;
+and `run_line`, which runs one line through it and shows what it returned (the REPL, scripts and
+one-shot runs share it).
 
 Handlers check their argument, call the context manager and return a record; they never print.
 Bad input raises a KvchatError before anything changes.
@@ -6,11 +8,12 @@ Bad input raises a KvchatError before anything changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvchat.chunks.types import InferenceStream
+from kvchat.chunks.types import InferenceResult, InferenceStream
 from kvchat.cli import cache_commands, file_commands, habit_commands, setting_commands
 from kvchat.cli.arguments import count, read_text
 from kvchat.cli.results import (
@@ -22,12 +25,14 @@ from kvchat.cli.results import (
     Quit,
 )
 from kvchat.cli.settings import user_config_file
-from kvchat.cli.slash_commands import ArgKind, Command, CommandRegistry, command
-from kvchat.errors import CommandError
+from kvchat.cli.slash_commands import ArgKind, Command, CommandRegistry, command, split_command
+from kvchat.engine.records import GenerationStep, PrefillProgress
+from kvchat.errors import CommandError, KvchatError
 from kvchat.paths import user_path
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
+    from kvchat.cli.ui import UI
     from kvchat.config import Settings
 
 
@@ -212,3 +217,63 @@ class Shell:
     def quit(self, arg: str) -> Quit:
         """Leaves kvchat (Ctrl-D too). Nothing is saved: use /save first to keep the session."""
         return Quit()
+
+
+class Status(Enum):
+    OK = "ok"
+    FAILED = "failed"
+    QUIT = "quit"
+
+
+def run_line(shell: Shell, ui: UI, line: str, lineno: int | None = None) -> Status:
+    """Execute `line`, render its record or its error; a failure never ends the session."""
+    parts = split_command(line)
+    typed_name = parts[0] if parts else "chat"
+    try:
+        cmd, record = shell.execute(line, parts)
+        if isinstance(record, Generator):  # an inference, streamed as it runs
+            show_thinking = shell.settings.ui.show_thinking
+            record = consume(record, lambda event: ui.step(event, show_thinking))
+    except KvchatError as exc:
+        ui.error(typed_name, str(exc), lineno)
+        return Status.FAILED
+    except Exception as exc:  # a bug must not take the session and its cache down with it
+        ui.error(typed_name, f"internal error: {type(exc).__name__}: {exc}", lineno)
+        ui.exception(exc)
+        return Status.FAILED
+    ui.show(cmd, record, lineno)
+    return Status.QUIT if isinstance(record, Quit) else Status.OK
+
+
+def consume(
+    stream: Iterator[PrefillProgress | GenerationStep | InferenceResult],
+    on_step: Callable[[PrefillProgress | GenerationStep], None],
+) -> InferenceResult:
+    """Drive an inference stream to its InferenceResult, showing each step.
+
+    Ctrl-C while a step is being shown is thrown into the generator, which stops within a token and
+    answers with its (cancelled) result; Ctrl-C while it computes is caught by the generator itself,
+    which then yields that result next.
+    """
+    assert isinstance(stream, Generator), "inference streams are generators: Ctrl-C is thrown into them"
+    try:
+        for item in stream:
+            if isinstance(item, InferenceResult):
+                return item
+            try:
+                on_step(item)
+            except KeyboardInterrupt:
+                return _drain(stream.throw(KeyboardInterrupt()), stream)
+    finally:
+        stream.close()  # run the generator's finally now, not at garbage collection
+    raise KvchatError("the inference ended without a result")
+
+
+def _drain(
+    item: PrefillProgress | GenerationStep | InferenceResult,
+    stream: Iterator[PrefillProgress | GenerationStep | InferenceResult],
+) -> InferenceResult:
+    # After a throw the contract is an immediate result; tolerate stray steps without showing them.
+    while not isinstance(item, InferenceResult):
+        item = next(stream)
+    return item

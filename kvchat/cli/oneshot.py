@@ -7,8 +7,7 @@ it short.
 
 from __future__ import annotations
 
-from kvchat.cli.commands import Shell
-from kvchat.cli.runner import consume
+from kvchat.cli.commands import Shell, consume
 from kvchat.cli.ui import UI
 from kvchat.errors import KvchatError
 

@@ -22,9 +22,8 @@ from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from prompt_toolkit.output import ColorDepth, Output
 
-from kvchat.cli.commands import Shell
+from kvchat.cli.commands import Shell, Status, run_line
 from kvchat.cli.completion import ShellCompleter
-from kvchat.cli.runner import Status, run_line
 from kvchat.cli.slash_commands import join_block
 from kvchat.cli.ui import UI
 

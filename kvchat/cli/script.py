@@ -28,8 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from kvchat.cli.commands import Shell
-from kvchat.cli.runner import Status, run_line
+from kvchat.cli.commands import Shell, Status, run_line
 from kvchat.cli.slash_commands import join_block
 from kvchat.cli.ui import UI
 
