@@ -3,6 +3,9 @@ block boundaries, over a reused prefix whose blocks are not next to the sequence
 only where it applies."""
 
 import random
+import resource
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -118,3 +121,32 @@ def test_linears_packed_for_onednn_are_not_compiled():
     pack_linears_(model)
     assert not can_compile(model)
     assert not engine_of(model, compile_decode=True).compiled
+
+
+# A block a little larger each time, as the graph's buffers grow with the context by a position a
+# token; prints the page faults of allocating and filling one, averaged over 20.
+_GROWING_BLOCKS = """
+import resource, sys, torch
+if sys.argv[1] == "keep":
+    from kvchat.engine.compiled_step import keep_freed_memory
+    keep_freed_memory()
+def faults(size):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(size, dtype=torch.uint8).fill_(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+sizes = [(8 << 20) + i * (64 << 10) for i in range(21)]
+print(sum(faults(n) for n in sizes[1:]) / 20)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_freed_buffers_stay_in_the_heap_for_the_next_token():
+    def faults_per_block(mode: str) -> float:
+        run = subprocess.run([sys.executable, "-c", _GROWING_BLOCKS, mode], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return float(run.stdout)
+
+    pages = (8 << 20) // resource.getpagesize()
+    assert faults_per_block("default") > pages  # each block mmapped afresh, every page faulted in
+    assert faults_per_block("keep") < pages / 5  # the freed block reused: only its growth is new
