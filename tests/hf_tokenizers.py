@@ -18,6 +18,12 @@ import pytest
 FIXTURES = Path(__file__).parent / "fixtures"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QWEN25_TEMPLATE = FIXTURES / "qwen2.5_chat_template.jinja"
+# Llama-style: ChatML whose first message starts with a BOS ("<|endoftext|>" stands in for it).
+BOS_CHATML_TEMPLATE = (
+    "{% for m in messages %}{% if loop.first %}{{ '<|endoftext|>' }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def package_folder(package: str) -> Path:
@@ -68,3 +74,18 @@ def qwen3_tokenizer() -> Any:
 @pytest.fixture(scope="session")
 def qwen25_tokenizer() -> Any:
     return load_qwen25_tokenizer()
+
+
+class TemplateOverride:
+    """A real tokenizer rendering with another chat template (None: no template at all)."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None) -> None:
+        self._tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **kwargs: Any) -> Any:
+        kwargs.setdefault("chat_template", self.chat_template)
+        return self._tokenizer.apply_chat_template(messages, **kwargs)

@@ -9,7 +9,12 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.paged_attention import cache_argument
 from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
-from tests.hf_tokenizers import load_qwen3_tokenizer, load_qwen25_tokenizer
+from tests.hf_tokenizers import (
+    BOS_CHATML_TEMPLATE,
+    TemplateOverride,
+    load_qwen3_tokenizer,
+    load_qwen25_tokenizer,
+)
 from tests.tiny_models import make_tiny_model
 
 THINK, END_THINK, IM_END = 151667, 151668, 151645
@@ -72,3 +77,30 @@ def test_qwen25_default_system_prompt_is_an_explicit_chunk_and_exact_reuse_holds
     with torch.inference_mode():
         full = model(input_ids=torch.tensor([composed.seq.token_ids])).logits[0, -1]
     assert composed.num_reused > len(system.token_ids) and (logits - full).abs().max() <= 1e-4
+
+
+def test_a_bos_the_template_writes_first_leads_a_context_without_a_system_prompt():
+    qwen = load_qwen3_tokenizer()
+    tokenizer = TemplateOverride(qwen, BOS_CHATML_TEMPLATE)
+    bos = qwen.convert_tokens_to_ids("<|endoftext|>")
+    model = make_tiny_model("qwen2", vocab_size=len(qwen))
+    engine = Engine(model, kv_memory_bytes=1 << 24, block_size=8, prefill_chunk=512)
+    cm = ContextManager(engine, ChatFormat(tokenizer), tokenizer, frozenset({IM_END}))
+    cm.add_context("A passage.")
+    cm.set_query("Where does the BOS go?")
+    messages = [
+        {"role": "user", "content": "A passage."},
+        {"role": "user", "content": "Where does the BOS go?"},
+    ]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert rendered[0] == bos
+    lead = cm.context_chunks()[0]
+    assert lead.role is Role.SYSTEM and lead.is_default and lead.token_ids == [bos]
+    assert lead.text == "<|endoftext|>"
+    assert cm.compose().seq.token_ids == rendered
+    cm.set_system("Be brief.")
+    with_system = [{"role": "system", "content": "Be brief."}, *messages]
+    assert (
+        cm.compose().seq.token_ids
+        == tokenizer.apply_chat_template(with_system, tokenize=True, add_generation_prompt=True)["input_ids"]
+    )

@@ -9,6 +9,8 @@ import pytest
 from kvchat.chunks.template import CHATML_TEMPLATE, ChatFormat
 from kvchat.errors import ChunkError
 from tests.hf_tokenizers import (
+    BOS_CHATML_TEMPLATE,
+    TemplateOverride,
     load_qwen3_tokenizer,
     load_qwen25_tokenizer,
     load_smollm2_tokenizer,
@@ -140,21 +142,6 @@ def test_qwen3_final_assistant_turn_cannot_match(qwen3_tokenizer: Any) -> None: 
     assert compose_ids(fmt, messages) != render_ids(qwen3_tokenizer, messages)
 
 
-class TemplateOverride:
-    """A real tokenizer rendering with another chat template (None: no template at all)."""
-
-    def __init__(self, tokenizer: Any, chat_template: str | None) -> None:
-        self._tokenizer = tokenizer
-        self.chat_template = chat_template
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
-
-    def apply_chat_template(self, messages: list[dict[str, str]], **kwargs: Any) -> Any:
-        kwargs.setdefault("chat_template", self.chat_template)
-        return self._tokenizer.apply_chat_template(messages, **kwargs)
-
-
 def test_fallback_chatml_without_a_template(qwen3_tokenizer: Any) -> None:  # noqa: F811
     fmt = ChatFormat(TemplateOverride(qwen3_tokenizer, None))
     assert fmt.uses_fallback_template
@@ -166,13 +153,7 @@ def test_fallback_chatml_without_a_template(qwen3_tokenizer: Any) -> None:  # no
 
 
 def test_bos_written_by_the_template_goes_to_the_first_segment(qwen3_tokenizer: Any) -> None:  # noqa: F811
-    # Llama-style: the BOS is part of the first message's text ("<|endoftext|>" stands in here).
-    template = (
-        "{% for m in messages %}{% if loop.first %}{{ '<|endoftext|>' }}{% endif %}"
-        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    )
-    tokenizer = TemplateOverride(qwen3_tokenizer, template)
+    tokenizer = TemplateOverride(qwen3_tokenizer, BOS_CHATML_TEMPLATE)
     fmt = ChatFormat(tokenizer)
     bos = qwen3_tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert fmt.default_system_prompt is None

@@ -110,9 +110,10 @@ class ContextManager(ContextViews):
     def drop(self, ref: str) -> ChunkInfo:
         chunk = self.registry.find(ref)
         if chunk.is_default:
+            what = "default system prompt" if self.format.default_system_prompt else "opening (a BOS)"
             raise ChunkError(
-                f"chunk {chunk.number} is the chat template's default system prompt, used while no other "
-                "is set; replace it with /system TEXT"
+                f"chunk {chunk.number} is the chat template's {what}, used while no system prompt is set; "
+                "replace it with /system TEXT"
             )
         if not self._remove_from_context(chunk.chunk_id):
             raise ChunkError(f"chunk {chunk.number} is not in the context")
@@ -146,19 +147,23 @@ class ContextManager(ContextViews):
         return info
 
     def context_chunks(self, with_query: bool = True) -> list[Chunk]:
-        """The chunks the next inference sees, in order; the template's default system prompt
-        stands in explicitly when none is set."""
-        ids = [self.system] if self.system else []
-        if not ids and self.format.default_system_prompt:
-            default = self.registry.add(
-                Role.SYSTEM,
-                self.format.default_system_prompt,
-                self.format.segment_ids("system", self.format.default_system_prompt),
-                is_default=True,
-            )
-            ids = [default.chunk_id]
-        ids += self.middle + self.turns + ([self.query] if with_query and self.query else [])
-        return [self.registry.chunks[i] for i in ids]
+        """The chunks the next inference sees, in order; what the template writes first when no system
+        prompt is set stands in explicitly."""
+        lead = self.registry.chunks[self.system] if self.system else self._template_lead()
+        ids = self.middle + self.turns + ([self.query] if with_query and self.query else [])
+        return ([lead] if lead is not None else []) + [self.registry.chunks[i] for i in ids]
+
+    def _template_lead(self) -> Chunk | None:
+        """The chunk for what the template writes before a conversation without a system message: its
+        default system prompt (Qwen2.5's), or the ids it starts with (a Llama-style BOS), or None."""
+        text = self.format.default_system_prompt
+        if text:
+            ids = self.format.segment_ids("system", text)
+            return self.registry.add(Role.SYSTEM, text, ids, is_default=True)
+        ids = list(self.format.start_ids)
+        if ids:  # its text is the tokens' own (e.g. "<s>"): there is no system text
+            return self.registry.add(Role.SYSTEM, self.tokenizer.decode(ids), ids, is_default=True)
+        return None
 
     # -- inference ---------------------------------------------------------------------------------
 

@@ -1,12 +1,13 @@
 """What a ContextManager tells about itself: the records of /chunks, /show, /stats and /info, and the
 read API the cache views use (a snapshot of its state, a prefix's KV). Reads only: nothing here
-changes the chunks, the context or the blocks, except that reading the context registers the
-template's default system prompt when none is set."""
+changes the chunks, the context or the blocks, except that reading the context registers what the
+template writes first (its default system prompt, or a BOS) when no system prompt is set."""
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from collections import Counter
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ class ContextViews:
 
     engine: Engine
     format: ChatFormat
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer
     model_id: str
     registry: ChunkRegistry
     query: str | None
