@@ -9,13 +9,19 @@ tokens/s, the median of each run's ratio to the run without drafts beside it, th
 tokens accepted, and whether the greedy text equals the text without drafts (in fp32 it must; in bf16
 a forward over several tokens rounds differently from a forward over one, so a near tie between two
 tokens can go the other way).
+
+First it measures what a forward over the last token and k drafts costs in single-token steps (the median
+of 7 rounds after ~50 tokens of context), beside `Engine.verify_cost`, the figure the draft budget weighs
+a step's tokens against.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
+import torch
 from bench_common import DTYPES, load, model_parser
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,6 +93,31 @@ def runner(model, tokenizer, prompt: list[int], tokens: int, speculation: Specul
     return run
 
 
+@torch.inference_mode()
+def print_verify_costs(model, rounds: int = 7) -> None:
+    engine = Engine(model, kv_memory_bytes=1 << 28, block_size=16, prefill_chunk=512)
+    seq = engine.start([100 + 7 * i for i in range(52)], reuse=False)
+    engine.compute(seq, until=51)
+    last = seq.token_ids[-1]
+    times: dict[int, list[float]] = {k: [] for k in (0, 1, 2, 4, 8)}
+    for _ in range(rounds):
+        for k, spent in times.items():
+            engine.extend(seq, [11] * k)
+            start = time.perf_counter()
+            engine.compute(seq, all_logits=k > 0, record=False)
+            spent.append(time.perf_counter() - start)
+            engine.truncate(seq, 51)  # back to 51 tokens with KV and the last one without
+            engine.extend(seq, [last])
+    engine.free(seq)
+    one = statistics.median(times[0])
+    print(f"\none token: {one * 1e3:.1f} ms on the {engine.decode_path}")
+    print("| drafts | verification, measured (single-token steps) | Engine.verify_cost |")
+    print("|---:|---:|---:|")
+    for k in (1, 2, 4, 8):
+        print(f"| {k} | {statistics.median(times[k]) / one:.2f} | {engine.verify_cost(k):.2f} |")
+    print()
+
+
 def draft_engine(args, tokenizer) -> Engine | None:
     if not args.draft_model:
         return None
@@ -115,6 +146,7 @@ def main() -> None:
     if drafts is not None:
         variants["draft"] = Speculation("draft", args.draft_max, drafts)
     print(f"model={folder} dtype={args.dtype} threads={args.threads} tokens={args.tokens} x{args.repeats}")
+    print_verify_costs(model)
     header = (
         "| set | prompt | variant | median tok/s | vs off (median of paired ratios) | accepted | same text |"
     )

@@ -4,6 +4,7 @@ and the same block manager state afterwards, whatever the drafts and wherever ge
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ class ScriptedDrafter:
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
         done = len(token_ids) - self.prompt_len
         guess = self.answer[done : done + max_tokens]
-        return [t + 1 if self.rng.random() < self.wrong_share else t for t in guess]
+        return [t ^ 1 if self.rng.random() < self.wrong_share else t for t in guess]  # ids stay in range
 
     def close(self) -> None:
         pass
@@ -102,8 +103,13 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert PromptLookup().propose([4, 5, 4], 4) == [5, 4]  # a copy may run into the end
 
 
-def test_budget_grows_shrinks_and_pauses():
-    budget = DraftBudget(8)
+def costing(fixed: float) -> Callable[[int], float]:
+    """A verification that costs `fixed` single-token steps, and 0.04 more a draft."""
+    return lambda num_drafts: fixed + 0.04 * num_drafts
+
+
+def test_budget_grows_and_shrinks():
+    budget = DraftBudget(8, costing(1.0))
     assert budget.next_size() == 4
     budget.update(4, 4)
     assert budget.next_size() == 6
@@ -111,10 +117,44 @@ def test_budget_grows_shrinks_and_pauses():
     assert budget.next_size() == 3
     budget.update(3, 2)
     assert budget.next_size() == 3
-    for _ in range(8):
-        budget.update(budget.next_size() or 1, 0)
-    sizes = [budget.next_size() for _ in range(4)]
-    assert 0 in sizes  # paused
+    assert (budget.num_drafted, budget.num_accepted) == (13, 6)
+
+
+def sizes_asked(budget: DraftBudget, accepted: int, steps: int = 40) -> list[int]:
+    """The sizes asked for over `steps` steps where each drafting step keeps `accepted` drafts."""
+    sizes = []
+    for _ in range(steps):
+        sizes.append(budget.next_size())
+        budget.update(sizes[-1], min(accepted, sizes[-1]))
+    return sizes
+
+
+def test_budget_weighs_what_a_step_makes_against_what_verifying_costs():
+    # One draft held a step doubles a plain step's tokens: worth it where verifying costs 1.2 steps,
+    # not where it costs 2.5 (a compiled single-token step against an eager forward over several).
+    assert 0 not in sizes_asked(DraftBudget(8, costing(1.2)), accepted=1)
+    dear = sizes_asked(DraftBudget(8, costing(2.5)), accepted=1)
+    assert dear.count(0) >= 30
+    pauses = [len(run) for run in "".join("x" if size == 0 else "." for size in dear).split(".") if run]
+    assert pauses[:3] == [4, 8, 16]  # it tries again, after longer pauses each time
+
+
+def test_budget_pauses_free_writing_sooner_where_misses_cost_more():
+    def misses_before_pause(fixed: float) -> int:
+        return sizes_asked(DraftBudget(8, costing(fixed)), accepted=0).index(0)
+
+    assert misses_before_pause(1.05) > misses_before_pause(1.7) > misses_before_pause(2.5) >= 2
+    assert sizes_asked(DraftBudget(8, costing(1.05)), accepted=0).count(0) >= 25
+
+
+def test_a_seeded_sampled_answer_with_drafts_is_the_same_every_run(model):
+    # What is drafted decides how the sampler's random draws are spent, so it must follow the tokens.
+    params = SamplingParams(temperature=0.9, top_k=8, max_tokens=60, seed=7)
+    speculation = Speculation("prompt-lookup", draft_max=6)
+    runs = [run(model, repeating_prompt(4), speculation, params)[0] for _ in range(3)]
+    answers = [[step.token_id for step in steps] for steps in runs]
+    assert answers[0] == answers[1] == answers[2]
+    assert runs[0][-1].stats.drafted_tokens > 0
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

@@ -79,6 +79,23 @@ class Engine:
             return "compiled graph"
         return "lean step" if self._decode_step is not None else "module forward"
 
+    def verify_cost(self, num_drafts: int) -> float:
+        """What a forward over the last token and `num_drafts` drafts costs, in single-token steps of
+        this engine: what speculation's draft budget weighs a step's tokens against.
+
+        Measured on SmolLM2-135M, one CPU thread (scripts/README.md, "Speculative decoding"): on the lean
+        step ~1 + 0.03k in bf16, ~1.7 + 0.04k in fp32 (MKL's fp32 product over a few rows reads the
+        weights at about half its one-row rate); with the compiled graph ~2.8 + 0.12k, as the drafts take
+        the eager step over unpacked weights. Elsewhere (the module forward, a GPU) it is taken as bf16's.
+        """
+        if self._compiled is not None:
+            fixed, per_draft = 2.8, 0.12
+        elif self._decode_step is not None and self.dtype == torch.float32 and self.device.type == "cpu":
+            fixed, per_draft = 1.7, 0.04
+        else:
+            fixed, per_draft = 1.0, 0.03
+        return fixed + per_draft * num_drafts
+
     def _warm_up(self) -> None:
         """Compile the decode graph now, on a scratch sequence, rather than at the first token."""
         seq = self.start([0] * (MIN_PAST + 1), reuse=False, index=False)

@@ -6,6 +6,7 @@ the ones the sampler accepts. Pure Python over ints, except the draft model (whi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -88,17 +89,21 @@ class PromptLookup:
 
 
 class DraftBudget:
-    """How many tokens to draft next. Grows on full acceptance, halves on a rejection (never below just
-    past the accepted run), and pauses drafting (for longer each time) while acceptance stays low, so
-    that free writing, where guesses rarely hold, runs at the plain speed.
+    """How many tokens to draft next, from what drafting has made so far and what verifying costs.
 
-    A forward over k more tokens costs ~1 + 0.05k of one token's on CPU; the constants were chosen by
-    replaying greedy answers of scripts/bench_speculative.py under that cost."""
+    `cost(k)` is what a forward over the last token and k drafts costs, in single-token steps of the
+    engine's decode path (`Engine.verify_cost`). A step that drafted k tokens is worth the tokens it made
+    (the accepted drafts and the token after them) over cost(k). Drafting pauses (for longer each time)
+    while the moving average of that worth is under 1, so free writing runs at the plain speed. The
+    average starts optimistic, so a few misses at the start do not stop drafting; after a pause one step
+    decides whether to go on. The size grows on full acceptance and halves on a rejection (never below
+    just past the accepted run). Every decision follows from the tokens alone, never from a clock, so a
+    seeded answer is the same on every run."""
 
-    def __init__(self, max_tokens: int, low_rate: float = 0.1, decay: float = 0.7):
-        self.max_tokens, self.low_rate, self.decay = max_tokens, low_rate, decay
-        self.size = min(4, max_tokens)  # 0 when drafting is off
-        self.rate = 1.0  # moving average of the share of drafted tokens accepted
+    def __init__(self, max_tokens: int, cost: Callable[[int], float], decay: float = 0.7):
+        self.max_tokens, self.cost, self.decay = max_tokens, cost, decay
+        self.size = min(4, max_tokens)
+        self.worth = 2.0  # moving average of drafting's worth, in plain steps' tokens per step's cost
         self.paused = 0  # steps left without drafting
         self.pause_length = 4
         self.num_drafted = 0
@@ -120,7 +125,8 @@ class DraftBudget:
             self.pause_length = 4
         else:
             self.size = max(1, num_accepted + 1, self.size // 2)
-        self.rate = self.decay * self.rate + (1 - self.decay) * num_accepted / num_drafted
-        if self.rate < self.low_rate:
+        worth = (num_accepted + 1) / self.cost(num_drafted)
+        self.worth = self.decay * self.worth + (1 - self.decay) * worth
+        if self.worth < 1.0:
             self.paused, self.pause_length = self.pause_length, min(64, 2 * self.pause_length)
-            self.rate = 1.0 - self.decay  # one good step after the pause is enough to keep going
+            self.worth = 1.0  # after the pause, one step decides whether to go on
