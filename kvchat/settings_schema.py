@@ -214,7 +214,7 @@ class DecodeSettings:
         "(quotes, rewrites, code edits); draft drafts with model.draft_model. Drafts are checked in one "
         "forward; sampled output has the same distribution. Off by default: in bf16 a forward over several "
         "tokens rounds differently from one over a single token, so a greedy answer can change at a near "
-        "tie; in fp32 it is identical, but free writing ran ~0.88x (README).",
+        "tie; in fp32 it is identical, but a short free-writing answer ran ~0.85-0.88x (README).",
         choices=("off", "prompt-lookup", "draft"),
     )
     draft_max: int = setting(
