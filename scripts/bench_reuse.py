@@ -186,9 +186,9 @@ def run_one(base: ContextManager, size: int, kind: str, variant: Variant, verify
 
 
 def session_copy(base: ContextManager, variant: Variant) -> ContextManager:
-    cm = copy.deepcopy(
-        base, memo={id(base.engine.model): base.engine.model, id(base.tokenizer): base.tokenizer}
-    )
+    model = base.engine.model  # shared, with every module and weight the decode step holds of it
+    shared = [model, base.tokenizer, *model.modules(), *model.parameters(), *model.buffers()]
+    cm = copy.deepcopy(base, memo={id(obj): obj for obj in shared})
     cm.mode, cm.repair = variant.mode, variant.repair
     return cm
 
