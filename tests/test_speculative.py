@@ -15,7 +15,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import Sampler, SamplingParams, make_sampler
-from kvchat.engine.speculate import DraftBudget, PromptLookup, Speculation
+from kvchat.engine.speculate import DraftBudget, PromptLookup, Speculation, paying_ngram
 from tests.tiny_models import make_tiny_model
 
 
@@ -48,8 +48,18 @@ class Scripted:
     def __init__(self, drafter, draft_max: int = 6):
         self.drafter, self.draft_max = drafter, draft_max
 
-    def make_drafter(self, vocab_size):
+    def make_drafter(self, vocab_size, cost=None):
         return self.drafter
+
+
+class EveryMatch:
+    """Prompt lookup that drafts after a match of any length, whatever verifying costs: on a tiny fp32
+    model kvchat drafts only after three-token matches, which its answers seldom repeat."""
+
+    draft_max = 6
+
+    def make_drafter(self, vocab_size, cost=None):
+        return PromptLookup()
 
 
 def varied_model(kind: str = "llama", seed: int = 0):
@@ -103,6 +113,20 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert PromptLookup().propose([4, 5, 4], 4) == [5, 4]  # a copy may run into the end
 
 
+def test_prompt_lookup_drafts_only_after_a_match_as_long_as_it_is_told():
+    tokens = [1, 2, 3, 9, 7, 2, 3, 8, 4, 3]  # 3 last followed by 8; 2 3 by 8; nothing ends with 4 3
+    assert PromptLookup(min_ngram=1).propose(tokens, 2) == [8, 4]
+    assert PromptLookup(min_ngram=2).propose(tokens, 2) == []
+    assert PromptLookup(min_ngram=2).propose([*tokens[:-2], 2, 3], 2) == [8, 2]
+
+
+def test_the_shortest_paying_match_follows_what_verifying_costs():
+    assert paying_ngram(costing(1.0)) == 1  # bf16, lean step: one-token matches pay
+    assert paying_ngram(costing(1.7)) == 3  # fp32: only a three-token match does
+    assert paying_ngram(costing(2.8)) == 3  # none pays on average: the longest, and the budget decides
+    assert Speculation("prompt-lookup", 8).make_drafter(64, costing(1.7)).min_ngram == 3
+
+
 def costing(fixed: float) -> Callable[[int], float]:
     """A verification that costs `fixed` single-token steps, and 0.04 more a draft."""
     return lambda num_drafts: fixed + 0.04 * num_drafts
@@ -150,8 +174,7 @@ def test_budget_pauses_free_writing_sooner_where_misses_cost_more():
 def test_a_seeded_sampled_answer_with_drafts_is_the_same_every_run(model):
     # What is drafted decides how the sampler's random draws are spent, so it must follow the tokens.
     params = SamplingParams(temperature=0.9, top_k=8, max_tokens=60, seed=7)
-    speculation = Speculation("prompt-lookup", draft_max=6)
-    runs = [run(model, repeating_prompt(4), speculation, params)[0] for _ in range(3)]
+    runs = [run(model, repeating_prompt(4), EveryMatch(), params)[0] for _ in range(3)]
     answers = [[step.token_id for step in steps] for steps in runs]
     assert answers[0] == answers[1] == answers[2]
     assert runs[0][-1].stats.drafted_tokens > 0
@@ -162,7 +185,7 @@ def test_prompt_lookup_greedy_equals_plain(kind):
     model = varied_model(kind, seed=1)
     prompt = repeating_prompt(1)
     plain = run(model, prompt)
-    spec = run(model, prompt, Speculation("prompt-lookup", draft_max=6))
+    spec = run(model, prompt, EveryMatch())
     assert [s.token_id for s in spec[0]] == [s.token_id for s in plain[0]]
     assert "".join(s.text for s in spec[0]) == "".join(s.text for s in plain[0])
     assert spec[1:] == plain[1:]

@@ -59,8 +59,9 @@ def generate(
     ends = _Ends(params, eos_token_ids, detokenizer)
     prompt_tokens, reused = seq.num_tokens, seq.num_computed
     seen = _Seen(seq.token_ids, engine.device) if params.repetition_penalty != 1.0 else None
-    drafter = speculation.make_drafter(engine.model.config.vocab_size) if speculation else None
-    budget = DraftBudget(speculation.draft_max, engine.verify_cost) if speculation and drafter else None
+    vocab_size, cost = engine.model.config.vocab_size, engine.verify_cost
+    drafter = speculation.make_drafter(vocab_size, cost) if speculation else None
+    budget = DraftBudget(speculation.draft_max, cost) if speculation and drafter else None
     t0 = time.perf_counter()
     num_kept = prompt_tokens  # the sequence up to the last token yielded
     try:

@@ -42,12 +42,13 @@ class Speculation:
                 "speculate = draft needs a draft model: set model.draft_model (--draft-model)"
             )
 
-    def make_drafter(self, vocab_size: int) -> Drafter | None:
-        """A drafter for one generation by a model with `vocab_size` token ids."""
+    def make_drafter(self, vocab_size: int, cost: Callable[[int], float] | None = None) -> Drafter | None:
+        """A drafter for one generation by a model with `vocab_size` token ids, on an engine whose
+        verification of k drafts costs `cost(k)` single-token steps (see DraftBudget)."""
         if self.mode == "off" or self.draft_max < 1:
             return None
         if self.mode == "prompt-lookup":
-            return PromptLookup()
+            return PromptLookup(min_ngram=paying_ngram(cost) if cost else 1)
         assert self.mode == "draft" and self.draft_engine is not None, "mode draft needs a draft engine"
         from kvchat.engine.draft_model import DraftModel  # torch only where a draft model runs
 
@@ -58,19 +59,34 @@ class Speculation:
 NO_SPECULATION = Speculation("off", 1)
 
 
+# Drafts accepted per step after a match of 1, 2 and 3 tokens: 0.28, 0.64-0.77 and 1.44-3.48 over the
+# prompts of scripts/bench_speculative.py (SmolLM2-135M, greedy), the lower figure of each.
+ACCEPTED_AFTER_MATCH = {1: 0.28, 2: 0.64, 3: 1.44}
+
+
+def paying_ngram(cost: Callable[[int], float], max_ngram: int = 3) -> int:
+    """The shortest match whose drafts pay for their verification on average (4 drafts), else the
+    longest: a one-token match pays where checking drafts is nearly free (bf16 on the lean step), not
+    where it costs 1.7 tokens (fp32)."""
+    for n in range(1, max_ngram + 1):
+        if 1 + ACCEPTED_AFTER_MATCH.get(n, 0.0) >= cost(4):
+            return n
+    return max_ngram
+
+
 class PromptLookup:
     """Drafts by copying: finds the latest earlier occurrence of the last n tokens (n from `max_ngram`
-    down to 1) and proposes what followed it. Matches the whole sequence: system, passages, outputs
-    reused as context, and the answer so far."""
+    down to `min_ngram`) and proposes what followed it. Matches the whole sequence: system, passages,
+    outputs reused as context, and the answer so far."""
 
-    def __init__(self, max_ngram: int = 3):
-        self.max_ngram = max_ngram
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min(min_ngram, max_ngram)
         self.follower: dict[tuple[int, ...], int] = {}  # n-gram -> where what followed its latest copy starts
         self.num_indexed = 0  # n-grams ending before this position are indexed
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
         self._index(token_ids)
-        for n in range(min(self.max_ngram, len(token_ids) - 1), 0, -1):
+        for n in range(min(self.max_ngram, len(token_ids) - 1), self.min_ngram - 1, -1):
             start = self.follower.get(tuple(token_ids[-n:]))
             if start is not None:
                 return token_ids[start : start + max_tokens]
