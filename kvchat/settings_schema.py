@@ -206,15 +206,16 @@ class DecodeSettings:
     """Speculative decoding: tokens drafted, then checked by one forward."""
 
     speculate: str = setting(
-        "off",
+        "prompt-lookup",
         "Speculative decoding: off, prompt-lookup or draft.",
         live=True,
         flag="--speculate",
         detail="prompt-lookup drafts by copying what followed the last few tokens elsewhere in the context "
         "(quotes, rewrites, code edits); draft drafts with model.draft_model. Drafts are checked in one "
-        "forward; sampled output has the same distribution. Off by default: in bf16 a forward over several "
-        "tokens rounds differently from one over a single token, so a greedy answer can change at a near "
-        "tie; in fp32 it is identical, but a short free-writing answer ran ~0.85-0.88x (README).",
+        "forward; sampled output has the same distribution, and drafting pauses while it does not pay "
+        "(free writing ran 0.98-1.01x with it, copying 1.5-3x; README). In fp32 a greedy answer is the "
+        "one without drafts; in bf16 a forward over several tokens rounds differently from one over a "
+        "single token, so it can change at a near tie: off gives one-token decoding's answer.",
         choices=("off", "prompt-lookup", "draft"),
     )
     draft_max: int = setting(
