@@ -203,6 +203,28 @@ def test_compare_exact_equals_the_infer_greedy_answer_and_keeps_nothing():
     assert all(set(r) >= {"mode", "output", "ttft_s", "computed_tokens", "first_difference"} for r in results)
 
 
+def test_compare_decodes_without_drafts_where_infer_drafts(monkeypatch):
+    import kvchat.chunks.inference as inference
+
+    cm = make_manager(make_tiny_model("qwen2", vocab_size=VOCAB, seed=3))
+    run = make_shell(cm, json_lines=True)
+    run(f"/context {text(1, 30)}")
+    run("/query what fell?")
+    run("/set decode.speculate prompt-lookup")
+    drafting: list[bool] = []
+    generate = inference.generate
+
+    def spy(engine, seq, params, eos, detokenizer, speculation=None):
+        drafting.append(speculation is not None)
+        return generate(engine, seq, params, eos, detokenizer, speculation)
+
+    monkeypatch.setattr(inference, "generate", spy)
+    run("/compare exact reposition")
+    assert drafting == [False, False]
+    run("/infer")
+    assert drafting[-1]
+
+
 @pytest.mark.parametrize("width", [40, 160])
 def test_views_render_at_narrow_and_wide_widths(width):
     cm = make_manager(make_tiny_model("llama", vocab_size=VOCAB), mode=ReuseMode.REPOSITION)

@@ -18,6 +18,7 @@ from kvchat.chunks.inference import Inference, Setup
 from kvchat.chunks.reports import Comparison, ModeAnswer
 from kvchat.chunks.types import ReuseMode
 from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.speculate import NO_SPECULATION
 from kvchat.errors import ChunkError
 
 if TYPE_CHECKING:
@@ -30,8 +31,9 @@ def compare_modes(
     params: SamplingParams,
     on_answer: Callable[[ReuseMode, str], None] | None = None,
 ) -> Comparison:
-    """Answer the current query under each mode (greedy, up to `params.max_tokens`), keeping nothing;
-    `on_answer(mode, text)` hears of each answer as it is done."""
+    """Answer the current query under each mode (greedy, one token at a time, up to `params.max_tokens`),
+    keeping nothing; `on_answer(mode, text)` hears of each answer as it is done. Without drafts, so that
+    in bf16 the answers differ by their KV alone, not by how a forward over drafts rounds."""
     if not cm.view_state().can_answer:
         raise ChunkError("no query to answer: set one with /query TEXT")
     if not modes:
@@ -41,7 +43,7 @@ def compare_modes(
     order = sorted(dict.fromkeys(modes), key=lambda m: m is ReuseMode.EXACT)
     runs = {}
     for mode in order:
-        runs[mode] = answer_once(replace(setup, mode=mode), chunks, greedy)
+        runs[mode] = answer_once(replace(setup, mode=mode, speculation=NO_SPECULATION), chunks, greedy)
         if on_answer is not None:
             on_answer(mode, runs[mode][1])
     reference = ReuseMode.EXACT if ReuseMode.EXACT in runs else modes[0]

@@ -107,10 +107,11 @@ def attention(self: Shell, arg: str) -> AttentionReport:
 )
 def compare(self: Shell, arg: str) -> Comparison:
     """Answers the current query once per MODE (exact, reposition, repair; default all three) from
-    the same cached chunks, greedily whatever the sampling settings, so differences come from the
-    KV alone. Shows each answer with the first differing token marked, its time to first token,
-    the prompt tokens it computed and its per-token agreement with the reference (exact if
-    compared, else the first mode). Nothing is kept: no output, the live sequence unchanged.
+    the same cached chunks, greedily and without speculative drafts whatever the settings, so
+    differences come from the KV alone. Shows each answer with the first differing token marked,
+    its time to first token, the prompt tokens it computed and its per-token agreement with the
+    reference (exact if compared, else the first mode).
+    Nothing is kept: no output, the live sequence unchanged.
     """
     return compare_modes_told(self.ctx, arg, self.settings.sampling, self.notify)
 
