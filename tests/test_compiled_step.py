@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from kvchat.engine.compiled_step import MIN_PAST, can_compile, has_cpp_compiler
+from kvchat.engine.compiled_step import FP32_PAST_UP_TO, MIN_PAST, can_compile, has_cpp_compiler
 from kvchat.engine.decode_step import pack_linears_
 from kvchat.engine.engine import Engine
 from kvchat.models.quantize import quantize_model
@@ -73,6 +73,35 @@ def test_compiled_step_in_bf16_stays_within_bf16_rounding():
     plain = engine_of(make_tiny_model("qwen3", dtype=torch.bfloat16), compile_decode=False)
     got, expected = decode_two_sequences(compiled), decode_two_sequences(plain)
     torch.testing.assert_close(got.float(), expected.float(), atol=0.15, rtol=0)
+
+
+@compiles
+def test_one_graph_serves_long_pasts_in_bf16_within_bf16_rounding():
+    """Across FP32_PAST_UP_TO (attention's products turn bf16) and 4,096 positions (where inductor's
+    fp32 sums change their code), the graph compiled at the first token serves every later one."""
+    prompt = random_ids(4_080)
+    results = []
+    for compile_decode in (True, False):
+        engine = engine_of(make_tiny_model("llama", dtype=torch.bfloat16), compile_decode)
+        seq = engine.start(prompt[: FP32_PAST_UP_TO - 10], reuse=False)
+        engine.compute(seq)
+        logits = decode(engine, seq, random_ids(20, seed=6))  # compiles, then crosses FP32_PAST_UP_TO
+        engine.extend(seq, prompt[FP32_PAST_UP_TO - 10 :])
+        engine.compute(seq)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            logits += decode(engine, seq, random_ids(20, seed=7))  # crosses 4,096
+        assert seq.num_tokens > 4_096 + 10
+        results.append(torch.stack(logits).float())
+    torch.testing.assert_close(results[0], results[1], atol=0.15, rtol=0)
+
+
+def decode(engine: Engine, seq, tokens: list[int]) -> list[torch.Tensor]:
+    """The logits of each token, given one at a time."""
+    logits = []
+    for token in tokens:
+        engine.extend(seq, [token])
+        logits.append(engine.compute(seq))
+    return logits
 
 
 @compiles

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 import torch
 import torch._inductor.config as inductor_config
 from torch import nn
+from torch._dynamo.decorators import mark_unbacked
 
 from kvchat.engine.decode_step import PackedLinear, make_decode_step, rms_norm, rope, rotation
 from kvchat.engine.paged_attention import KVPool
@@ -38,28 +39,49 @@ from kvchat.errors import ConfigError
 _QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 PLAIN_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP", **_QUIET}
 QUANTIZED_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP,ATEN", **_QUIET}
-MIN_PAST = 2  # torch.compile specializes lengths 0 and 1, so shorter pasts take the eager step
+MIN_PAST = 2  # the graph's length is taken to be neither 0 nor 1: shorter pasts take the eager step
+FP32_PAST_UP_TO = 256  # attention's products over the past run in fp32 up to this length
 # glibc's mallopt parameters, and what keep_freed_memory sets them to
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to this size come from the heap
 TRIM_THRESHOLD = 1 << 30  # free memory at the heap's top kept up to this much
 
 
-@torch.library.custom_op("kvchat::matmul", mutates_args=())
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.matmul kept opaque to inductor: attention's matmuls have a dynamic length, which its
-    GEMM templates do not take."""
-    return torch.matmul(a, b)
+@torch.library.custom_op("kvchat::past_scores", mutates_args=())
+def _past_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Scores of the grouped query (Hk, G, D) against past keys (Hk, T, D): fp32 (Hk, G, T).
+
+    An op opaque to inductor: its length changes every token, which its GEMM templates do not take.
+    Up to FP32_PAST_UP_TO positions bf16 operands are multiplied in fp32 (MKL's small fp32 products
+    cost a third of oneDNN's bf16 ones there); beyond, in their own dtype, the query on the left."""
+    if keys.shape[1] <= FP32_PAST_UP_TO:
+        return torch.matmul(query.float(), keys.float().transpose(1, 2))
+    return torch.matmul(query, keys.transpose(1, 2)).float()
 
 
-@_matmul.register_fake
-def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a.new_empty(*a.shape[:-1], b.shape[-1])
+@_past_scores.register_fake
+def _(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    return query.new_empty(*query.shape[:2], keys.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("kvchat::past_mix", mutates_args=())
+def _past_mix(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The past values (Hk, T, D) weighted by fp32 probabilities (Hk, G, T): fp32 (Hk, G, D), in the
+    same dtypes as `_past_scores`."""
+    if values.shape[1] <= FP32_PAST_UP_TO:
+        return torch.matmul(probs, values.float())
+    return torch.matmul(probs.to(values.dtype), values).float()
+
+
+@_past_mix.register_fake
+def _(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return probs.new_empty(*probs.shape[:2], values.shape[2], dtype=torch.float32)
 
 
 class _DecodeGraph(nn.Module):
     """One token through a Llama-like model over K/V in the pool. The same arithmetic as the lean
-    step, except that the token's own score is an fp32 dot product instead of a bf16 matmul column."""
+    step, except in attention: the token's own score is an fp32 dot product, and over pasts up to
+    FP32_PAST_UP_TO positions the products are fp32 ones, where the lean step multiplies bf16."""
 
     def __init__(self, model):
         super().__init__()
@@ -103,11 +125,10 @@ class _DecodeGraph(nn.Module):
         grouped = query.view(num_kv_heads, -1, self.head_dim)  # (Hk, G, D)
         past_keys = layer_keys.index_select(1, past_slots)  # (Hk, T, D)
         past_values = layer_values.index_select(1, past_slots)
-        past = _matmul(past_keys, grouped.transpose(1, 2)).transpose(1, 2)  # (Hk, G, T)
+        past = _past_scores(grouped, past_keys)  # (Hk, G, T)
         own = (grouped.float() * keys.float()[:, None]).sum(-1, keepdim=True)  # (Hk, G, 1)
-        probs = (torch.cat([past.float(), own], dim=-1) * self.scaling).softmax(dim=-1)  # (Hk, G, T+1)
-        out = _matmul(probs[..., :-1].to(values.dtype), past_values).float()  # (Hk, G, D)
-        out = out + probs[..., -1:] * values.float()[:, None]
+        probs = (torch.cat([past, own], dim=-1) * self.scaling).softmax(dim=-1)  # (Hk, G, T+1)
+        out = _past_mix(probs[..., :-1], past_values) + probs[..., -1:] * values.float()[:, None]
         return out.to(query.dtype).view(-1, self.head_dim)
 
 
@@ -132,7 +153,10 @@ class CompiledDecodeStep:
     ) -> torch.Tensor:
         """Logits (1, V) of the token input_ids (1, 1) at position_ids (1, 1), attending over the
         earlier positions at `past_slots` (T,), T >= MIN_PAST; its K/V are written at `slot` (1,)."""
-        torch._dynamo.mark_dynamic(past_slots, 0)
+        # Unbacked: the graph holds for any length. A dynamic (backed) one let inductor decide the
+        # softmax's fp32 sum on the first length's value, with a guard that recompiled the graph (a
+        # minute or more) at 4,096 positions.
+        mark_unbacked(past_slots, 0)
         with inductor_config.patch(self.options):
             logits, keys, values = self.graph(
                 input_ids, position_ids, past_slots, self.pool.keys, self.pool.values
