@@ -21,7 +21,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch._inductor.config as inductor_config
@@ -135,9 +135,7 @@ class _DecodeGraph(nn.Module):
 class CompiledDecodeStep:
     """Decodes one token at a time over the pool through the compiled graph (compiled at first use)."""
 
-    def __init__(self, model, pool: KVPool, check_guards: bool = False):
-        """Unless `check_guards`, the graph's guards go unevaluated once it has compiled: see
-        `_stance`."""
+    def __init__(self, model, pool: KVPool):
         if not has_cpp_compiler():
             raise ConfigError("--compile needs a C++ compiler (g++, or $CXX) for torch.compile; none found")
         self.pool = pool
@@ -145,8 +143,6 @@ class CompiledDecodeStep:
         self.graph = torch.compile(_DecodeGraph(model), mode="max-autotune")
         plain = all(type(module) is nn.Linear for module in _linear_layers(model))
         self.options = PLAIN_OPTIONS if plain else QUANTIZED_OPTIONS
-        self.check_guards = check_guards
-        self.compiled = False  # whether a call has compiled the graph
 
     def __call__(
         self,
@@ -161,23 +157,12 @@ class CompiledDecodeStep:
         # softmax's fp32 sum on the first length's value, with a guard that recompiled the graph (a
         # minute or more) at 4,096 positions.
         mark_unbacked(past_slots, 0)
-        with inductor_config.patch(self.options), self._stance():
+        with inductor_config.patch(self.options):
             logits, keys, values = self.graph(
                 input_ids, position_ids, past_slots, self.pool.keys, self.pool.values
             )
-        self.compiled = True
         self.pool.scatter(slot, keys.transpose(1, 2), values.transpose(1, 2))  # (L, 1, Hk, D) each
         return logits
-
-    def _stance(self) -> AbstractContextManager:
-        """Once the graph has compiled, torch's `skip_guard_eval_unsafe` stance: its guards go
-        unevaluated. Every call passes the same kinds of tensors (two (1, 1) and one (T,) int64, the
-        pool's own K/V, which it never replaces) through the same model, inside the engine's
-        inference mode; the one size that varies, T, is unbacked, so the guards could only pass.
-        Checking them (an identity check of every module of the model) cost 0.5-2 ms a token."""
-        if self.check_guards or not self.compiled:
-            return nullcontext()
-        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
 
 
 def can_compile(model) -> bool:
