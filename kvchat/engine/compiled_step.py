@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch._dynamo.config as dynamo_config
 import torch._inductor.config as inductor_config
 from torch import nn
 from torch._dynamo.decorators import mark_unbacked
@@ -39,6 +40,9 @@ from kvchat.errors import ConfigError
 _QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 PLAIN_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP", **_QUIET}
 QUANTIZED_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP,ATEN", **_QUIET}
+# The graph's guards check the model's modules by their dicts' version tags, and walk them only where
+# one changed: ~0.6 ms a token less than checking each module (~15 ms a token for SmolLM2).
+DYNAMO_OPTIONS = {"use_recursive_dict_tags_for_guards": True}
 MIN_PAST = 2  # the graph's length is taken to be neither 0 nor 1: shorter pasts take the eager step
 FP32_PAST_UP_TO = 256  # attention's products over the past run in fp32 up to this length
 # glibc's mallopt parameters, and what keep_freed_memory sets them to
@@ -157,7 +161,7 @@ class CompiledDecodeStep:
         # softmax's fp32 sum on the first length's value, with a guard that recompiled the graph (a
         # minute or more) at 4,096 positions.
         mark_unbacked(past_slots, 0)
-        with inductor_config.patch(self.options):
+        with dynamo_config.patch(DYNAMO_OPTIONS), inductor_config.patch(self.options):
             logits, keys, values = self.graph(
                 input_ids, position_ids, past_slots, self.pool.keys, self.pool.values
             )
