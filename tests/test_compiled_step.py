@@ -144,6 +144,20 @@ def test_quantized_models_compile_and_equal_their_module_forward(mode, capfd, mo
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("length", [FP32_PAST_UP_TO - 1, FP32_PAST_UP_TO + 1])
+def test_attention_products_over_the_past_equal_fp32_ones(length):
+    """Either side of FP32_PAST_UP_TO, the graph's attention ops give fp32 results within bf16's
+    rounding of the operands' exact products."""
+    torch.manual_seed(0)
+    query, keys, values = (torch.randn(2, n, 16, dtype=torch.bfloat16) for n in (3, length, length))
+    probs = torch.randn(2, 3, length).softmax(-1)
+    scores = torch.ops.kvchat.past_scores(query, keys)
+    mixed = torch.ops.kvchat.past_mix(probs, values)
+    assert scores.dtype == mixed.dtype == torch.float32
+    torch.testing.assert_close(scores, query.float() @ keys.float().transpose(1, 2), atol=0.05, rtol=0.01)
+    torch.testing.assert_close(mixed, probs.to(torch.bfloat16).float() @ values.float(), atol=0.01, rtol=0.01)
+
+
 def test_linears_packed_for_onednn_are_not_compiled():
     model = make_tiny_model("qwen2", dtype=torch.bfloat16)
     assert can_compile(model)
