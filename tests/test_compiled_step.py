@@ -39,6 +39,15 @@ def engine_of(model, compile_decode: bool) -> Engine:
     )
 
 
+def decode(engine: Engine, seq, tokens: list[int]) -> list[torch.Tensor]:
+    """The logits of each token, given one at a time."""
+    logits = []
+    for token in tokens:
+        engine.extend(seq, [token])
+        logits.append(engine.compute(seq))
+    return logits
+
+
 def decode_two_sequences(engine: Engine) -> torch.Tensor:
     """Logits of 20 single-token steps of a first sequence, then of 20 steps of a second one that
     reuses the first's two-block prefix, so its K/V lie in two runs of blocks."""
@@ -47,9 +56,7 @@ def decode_two_sequences(engine: Engine) -> torch.Tensor:
     for seed in (1, 2):
         seq = engine.start(prefix + random_ids(5, seed=seed))
         out.append(engine.compute(seq))
-        for token in random_ids(20, seed=10 + seed):  # crosses the block boundary at 48
-            engine.extend(seq, [token])
-            out.append(engine.compute(seq))
+        out += decode(engine, seq, random_ids(20, seed=10 + seed))  # crosses the block boundary at 48
         tables.append(seq.block_table)
     first, second = tables
     assert second[:2] == first[:2] and second[2] != second[1] + 1
@@ -95,15 +102,6 @@ def test_one_graph_serves_long_pasts_in_bf16_within_bf16_rounding():
     torch.testing.assert_close(results[0], results[1], atol=0.15, rtol=0)
 
 
-def decode(engine: Engine, seq, tokens: list[int]) -> list[torch.Tensor]:
-    """The logits of each token, given one at a time."""
-    logits = []
-    for token in tokens:
-        engine.extend(seq, [token])
-        logits.append(engine.compute(seq))
-    return logits
-
-
 @compiles
 def test_short_pasts_and_speculation_sized_blocks_take_the_eager_step():
     """Positions below MIN_PAST and multi-token forwards do not go through the graph, and agree."""
@@ -112,10 +110,7 @@ def test_short_pasts_and_speculation_sized_blocks_take_the_eager_step():
     results = []
     for engine in (compiled, plain):
         seq = engine.start(random_ids(1))
-        logits = [engine.compute(seq)]
-        for token in random_ids(MIN_PAST + 2, seed=4):
-            engine.extend(seq, [token])
-            logits.append(engine.compute(seq))
+        logits = [engine.compute(seq), *decode(engine, seq, random_ids(MIN_PAST + 2, seed=4))]
         engine.extend(seq, random_ids(6, seed=5))
         logits.extend(engine.compute(seq, all_logits=True))
         results.append(torch.stack(logits))
