@@ -20,7 +20,7 @@ def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[s
     )
 
 
-def test_the_wheel_carries_the_configs_and_runs_without_the_source(tmp_path: Path) -> None:
+def test_the_wheel_carries_its_data_files_and_runs_without_the_source(tmp_path: Path) -> None:
     source = tmp_path / "src"
     shutil.copytree(ROOT / "kvchat", source / "kvchat", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
@@ -32,13 +32,15 @@ def test_the_wheel_carries_the_configs_and_runs_without_the_source(tmp_path: Pat
     assert built.returncode == 0, built.stderr
     (wheel,) = (source / "dist").glob("kvchat-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"kvchat/configs/default.toml", "kvchat/configs/models.toml"} <= names
+    data = {"kvchat/configs/default.toml", "kvchat/configs/models.toml", "kvchat/engine/paged_decode.cpp"}
+    assert data <= names
 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)  # what pip install puts in site-packages
     code = (
-        "import sys, kvchat.config as c, kvchat.models.sources as s\n"
+        "import sys, importlib.resources as r, kvchat.config as c, kvchat.models.sources as s\n"
         "assert c.__file__.startswith(sys.argv[1]), c.__file__\n"
+        "assert r.files('kvchat.engine').joinpath('paged_decode.cpp').is_file()\n"
         "print(c.load_settings().model.model, s.load_aliases()['smollm2-135m'].hub_id)\n"
     )
     elsewhere = tmp_path / "elsewhere"

@@ -1,0 +1,95 @@
+"""`kvchat::paged_decode_attention`, the compiled graph's attention over the pool (paged_decode.cpp).
+
+One token's attention read through a gather and two small matmuls costs, per layer of SmolLM2 in bf16,
+~60 us at 50 positions and ~450 us at 4,096: the gather copies the layer's K/V, the matmuls read the
+copy again, and torch's products are slow at these shapes. The kernel reads each past row once where
+it lies in the pool, in fp32: ~10 and ~280 us.
+
+It is built at first use with the machine's C++ compiler (`torch.utils.cpp_extension`, ~10 s) for this
+CPU (`-march=native`), and cached by torch under a name that carries the CPU's features, so a cache
+shared between machines never serves one CPU another's build. Where it cannot be built the graph
+gathers instead; `build_error()` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+SOURCE = "paged_decode.cpp"
+FLAGS = ["-O3", "-march=native"]
+DTYPES = frozenset({torch.float32, torch.bfloat16})
+
+
+def paged_decode_attention() -> Callable | None:
+    """The op, or None where it cannot be built (see `build_error`)."""
+    return _build()[0]
+
+
+def build_error() -> str | None:
+    """Why the op could not be built, in one line; None when it was."""
+    return _build()[1]
+
+
+def takes(pool_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the op serves a pool of this dtype on this device."""
+    return device.type == "cpu" and pool_dtype in DTYPES
+
+
+@functools.cache
+def _build() -> tuple[Callable | None, str | None]:
+    try:
+        from torch.utils import cpp_extension
+
+        _put_ninja_on_path()
+        source = resources.files("kvchat.engine").joinpath(SOURCE)
+        with resources.as_file(source) as path:
+            cpp_extension.load(
+                name=f"kvchat_paged_decode_{_cpu_tag()}",
+                sources=[str(path)],
+                extra_cflags=FLAGS,
+                is_python_module=False,
+                verbose=False,
+            )
+    except Exception as error:  # a missing compiler or ninja, a failed build: the graph gathers instead
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return None, f"{type(error).__name__}: {first_line}"
+    op = torch.ops.kvchat.paged_decode_attention
+    _register_fake()
+    return op, None
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("kvchat::paged_decode_attention")
+    def _(query, own_keys, own_values, keys, values, layer, slots, scale):
+        return query.new_empty(query.shape, dtype=torch.float32)
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; a virtual environment that was not activated has the ninja
+    package's binary off it."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _cpu_tag() -> str:
+    """A short hash of what -march=native compiles for: the machine type and its CPU's feature flags."""
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        lines = cpuinfo.read_text().splitlines()
+        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]

@@ -1,0 +1,242 @@
+// Decode attention of one token over the paged K/V pool, reading each past key and value once, in
+// place, by slot: kvchat::paged_decode_attention (registered for CPU; built by native_attention.py).
+//
+// The same arithmetic as the compiled graph's gather-then-matmul path, in fp32 throughout: scores of
+// the grouped query heads against the past keys and the token's own key, a softmax, and the values
+// mixed by it. The gather copied each layer's K/V (1.5 MB each for SmolLM2 at 4,096 positions) before
+// two small matmuls read the copy again; here each row is read once, where it lies in the pool.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// GCC/Clang vector extensions: one 16-float vector is a zmm register with AVX-512, two ymm with AVX2.
+constexpr int kLanes = 16;
+typedef float floatv __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t halfv __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t wordv __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+constexpr int64_t kTile = 32;  // positions per pass over the query heads: their rows stay in L1
+
+inline floatv load(const float* p) {
+  floatv v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline floatv load(const c10::BFloat16* p) {
+  halfv h;
+  std::memcpy(&h, p, sizeof h);
+  wordv w = __builtin_convertvector(h, wordv) << 16;  // bf16 is fp32's upper half
+  floatv v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline void store(float* p, floatv v) { std::memcpy(p, &v, sizeof v); }
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+inline float sum(floatv v) {
+  // a tree of lane shuffles: 4 adds, where a lane-by-lane sum takes 15 dependent ones
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// A row is C vectors (head_dim = C * kLanes); NG query heads at a time, held in registers.
+
+template <typename T, int C, int NG>
+void scores_group(const float* q, const T* const* rows, int64_t count, float* scores, int64_t stride) {
+  floatv qv[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = load(q + (g * C + c) * kLanes);
+  for (int64_t t = 0; t < count; ++t) {
+    floatv acc[NG] = {};
+    for (int c = 0; c < C; ++c) {
+      floatv k = load(rows[t] + c * kLanes);
+      for (int g = 0; g < NG; ++g) acc[g] += qv[g][c] * k;
+    }
+    for (int g = 0; g < NG; ++g) scores[g * stride + t] = sum(acc[g]);
+  }
+}
+
+template <typename T, int C, int NG>
+void mix_group(const float* probs, int64_t stride, const T* const* rows, int64_t count, float* out) {
+  floatv acc[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = load(out + (g * C + c) * kLanes);
+  for (int64_t t = 0; t < count; ++t) {
+    for (int c = 0; c < C; ++c) {
+      floatv v = load(rows[t] + c * kLanes);
+      for (int g = 0; g < NG; ++g) acc[g][c] += probs[g * stride + t] * v;
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) store(out + (g * C + c) * kLanes, acc[g][c]);
+}
+
+// Every query head of a KV head, NG at a time (as many as registers hold), then the rest.
+template <typename T, int C>
+void scores_rows(const float* q, int64_t G, const T* const* rows, int64_t count, float* scores, int64_t stride) {
+  constexpr int NG = C <= 4 ? 4 : C <= 8 ? 2 : 1;
+  int64_t g = 0;
+  for (; g + NG <= G; g += NG) scores_group<T, C, NG>(q + g * C * kLanes, rows, count, scores + g * stride, stride);
+  switch (G - g) {
+    case 3: scores_group<T, C, 3>(q + g * C * kLanes, rows, count, scores + g * stride, stride); break;
+    case 2: scores_group<T, C, 2>(q + g * C * kLanes, rows, count, scores + g * stride, stride); break;
+    case 1: scores_group<T, C, 1>(q + g * C * kLanes, rows, count, scores + g * stride, stride); break;
+    default: break;
+  }
+}
+
+template <typename T, int C>
+void mix_rows(const float* probs, int64_t stride, int64_t G, const T* const* rows, int64_t count, float* out) {
+  constexpr int NG = C <= 4 ? 4 : C <= 8 ? 2 : 1;
+  int64_t g = 0;
+  for (; g + NG <= G; g += NG) mix_group<T, C, NG>(probs + g * stride, stride, rows, count, out + g * C * kLanes);
+  switch (G - g) {
+    case 3: mix_group<T, C, 3>(probs + g * stride, stride, rows, count, out + g * C * kLanes); break;
+    case 2: mix_group<T, C, 2>(probs + g * stride, stride, rows, count, out + g * C * kLanes); break;
+    case 1: mix_group<T, C, 1>(probs + g * stride, stride, rows, count, out + g * C * kLanes); break;
+    default: break;
+  }
+}
+
+// Head sizes that are no multiple of kLanes, element by element.
+template <typename T>
+void scores_any(const float* q, int64_t G, int64_t D, const T* const* rows, int64_t count, float* scores,
+                int64_t stride) {
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      float total = 0.f;
+      for (int64_t d = 0; d < D; ++d) total += q[g * D + d] * to_float(rows[t][d]);
+      scores[g * stride + t] = total;
+    }
+}
+
+template <typename T>
+void mix_any(const float* probs, int64_t stride, int64_t G, int64_t D, const T* const* rows, int64_t count,
+             float* out) {
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] += probs[g * stride + t] * to_float(rows[t][d]);
+}
+
+// The rows of positions t0.. of one KV head: the past ones at their slots, then the token's own.
+template <typename T>
+int64_t tile_rows(const T* head, int64_t row_stride, const int64_t* slots, int64_t length, const T* own,
+                  int64_t t0, const T** rows) {
+  const int64_t count = std::min<int64_t>(kTile, length + 1 - t0);
+  for (int64_t i = 0; i < count; ++i) rows[i] = t0 + i < length ? head + slots[t0 + i] * row_stride : own;
+  return count;
+}
+
+// One KV head: scores (G, length + 1) of the query heads q (G, D), already scaled.
+template <typename T>
+void head_scores(const float* q, int64_t G, int64_t D, const T* head, int64_t row_stride, const int64_t* slots,
+                 int64_t length, const T* own, float* scores) {
+  const T* rows[kTile];
+  for (int64_t t0 = 0; t0 <= length; t0 += kTile) {
+    const int64_t count = tile_rows(head, row_stride, slots, length, own, t0, rows);
+    float* at = scores + t0;
+    switch (D) {
+      case 16: scores_rows<T, 1>(q, G, rows, count, at, length + 1); break;
+      case 32: scores_rows<T, 2>(q, G, rows, count, at, length + 1); break;
+      case 64: scores_rows<T, 4>(q, G, rows, count, at, length + 1); break;
+      case 128: scores_rows<T, 8>(q, G, rows, count, at, length + 1); break;
+      case 256: scores_rows<T, 16>(q, G, rows, count, at, length + 1); break;
+      default: scores_any<T>(q, G, D, rows, count, at, length + 1);
+    }
+  }
+}
+
+// One KV head: out (G, D) = probs (G, length + 1) times the value rows.
+template <typename T>
+void head_mix(const float* probs, int64_t G, int64_t D, const T* head, int64_t row_stride, const int64_t* slots,
+              int64_t length, const T* own, float* out) {
+  std::fill(out, out + G * D, 0.f);
+  const T* rows[kTile];
+  for (int64_t t0 = 0; t0 <= length; t0 += kTile) {
+    const int64_t count = tile_rows(head, row_stride, slots, length, own, t0, rows);
+    const float* at = probs + t0;
+    switch (D) {
+      case 16: mix_rows<T, 1>(at, length + 1, G, rows, count, out); break;
+      case 32: mix_rows<T, 2>(at, length + 1, G, rows, count, out); break;
+      case 64: mix_rows<T, 4>(at, length + 1, G, rows, count, out); break;
+      case 128: mix_rows<T, 8>(at, length + 1, G, rows, count, out); break;
+      case 256: mix_rows<T, 16>(at, length + 1, G, rows, count, out); break;
+      default: mix_any<T>(at, length + 1, G, D, rows, count, out);
+    }
+  }
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& own_keys, const at::Tensor& own_values, const at::Tensor& keys,
+            const at::Tensor& values, int64_t layer, const at::Tensor& slots, at::Tensor& out) {
+  const int64_t Hk = q.size(0), G = q.size(1), D = q.size(2), length = slots.size(0);
+  const int64_t layer_stride = keys.stride(0), head_stride = keys.stride(1), row_stride = keys.stride(2);
+  const T* key_heads = keys.const_data_ptr<T>() + layer * layer_stride;
+  const T* value_heads = values.const_data_ptr<T>() + layer * layer_stride;
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  auto scores = at::empty({Hk, G, length + 1}, q.options());
+  at::parallel_for(0, Hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      head_scores<T>(q.const_data_ptr<float>() + h * G * D, G, D, key_heads + h * head_stride, row_stride, slot,
+                     length, own_keys.const_data_ptr<T>() + h * D, scores.mutable_data_ptr<float>() + h * G * (length + 1));
+  });
+  const at::Tensor probs = at::softmax(scores, -1);
+  at::parallel_for(0, Hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      head_mix<T>(probs.const_data_ptr<float>() + h * G * (length + 1), G, D, value_heads + h * head_stride,
+                  row_stride, slot, length, own_values.const_data_ptr<T>() + h * D, out.mutable_data_ptr<float>() + h * G * D);
+  });
+}
+
+// query (Hk, G, D): the query heads grouped by the KV head they read; own_keys, own_values (Hk, D): the
+// token's own; keys, values (L, Hk, S, D): the pool; slots (T,): where positions 0..T-1 are.
+// Returns fp32 (Hk, G, D).
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& own_keys, const at::Tensor& own_values,
+                                  const at::Tensor& keys, const at::Tensor& values, int64_t layer,
+                                  const at::Tensor& slots, double scale) {
+  TORCH_CHECK(query.dim() == 3 && own_keys.dim() == 2 && own_values.dim() == 2, "query (Hk, G, D), own K/V (Hk, D)");
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.strides() == values.strides(),
+              "pool keys and values (L, Hk, S, D) alike");
+  TORCH_CHECK(keys.stride(3) == 1, "pool rows must be contiguous");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type() &&
+                  (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16),
+              "pool of float32 or bfloat16");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong, "slots (T,) int64");
+  TORCH_CHECK(query.size(0) == keys.size(1) && query.size(2) == keys.size(3), "query and pool heads differ");
+  TORCH_CHECK(layer >= 0 && layer < keys.size(0), "no such layer");
+  const at::Tensor q = (query.to(at::kFloat) * scale).contiguous();
+  const at::Tensor own_k = own_keys.to(keys.scalar_type()).contiguous();
+  const at::Tensor own_v = own_values.to(values.scalar_type()).contiguous();
+  const at::Tensor index = slots.contiguous();
+  const int64_t* slot = index.const_data_ptr<int64_t>();
+  const auto [lowest, highest] = std::minmax_element(slot, slot + index.numel());
+  TORCH_CHECK(index.numel() == 0 || (*lowest >= 0 && *highest < keys.size(2)), "a slot outside the pool");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (keys.scalar_type() == at::kFloat) attend<float>(q, own_k, own_v, keys, values, layer, index, out);
+  else attend<c10::BFloat16>(q, own_k, own_v, keys, values, layer, index, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvchat, m) {
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor own_keys, Tensor own_values, Tensor keys, Tensor values, "
+      "int layer, Tensor slots, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvchat, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
