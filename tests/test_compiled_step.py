@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 
+from kvchat.engine import native_attention
 from kvchat.engine.compiled_step import FP32_PAST_UP_TO, MIN_PAST, can_compile, has_cpp_compiler
 from kvchat.engine.decode_step import pack_linears_
 from kvchat.engine.engine import Engine
@@ -21,6 +22,12 @@ from tests.tiny_models import KINDS, make_tiny_model
 def compiles(test):
     """Each engine compiles its graph (~10 s); torch.compile needs a C++ compiler."""
     return pytest.mark.slow(pytest.mark.skipif(not has_cpp_compiler(), reason="no C++ compiler")(test))
+
+
+@pytest.fixture
+def without_kernel(monkeypatch):
+    """As where kvchat's attention kernel cannot be built: the graph gathers K/V and multiplies."""
+    monkeypatch.setattr(native_attention, "_build", lambda: (None, "not built in this test"))
 
 
 def random_ids(n, seed=0, vocab=512):
@@ -69,6 +76,17 @@ def test_compiled_step_equals_module_forward(kind):
     compiled = engine_of(make_tiny_model(kind), compile_decode=True)
     plain = engine_of(make_tiny_model(kind), compile_decode=False)
     assert compiled.compiled and not plain.compiled
+    assert compiled.decode_path == "compiled graph"
+    got, expected = decode_two_sequences(compiled), decode_two_sequences(plain)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+@compiles
+def test_compiled_step_without_the_kernel_gathers_and_equals_module_forward(without_kernel):
+    compiled = engine_of(make_tiny_model("qwen2"), compile_decode=True)
+    plain = engine_of(make_tiny_model("qwen2"), compile_decode=False)
+    assert compiled.decode_path == "compiled graph, attention by gather (not built in this test)"
     got, expected = decode_two_sequences(compiled), decode_two_sequences(plain)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
@@ -82,10 +100,14 @@ def test_compiled_step_in_bf16_stays_within_bf16_rounding():
     torch.testing.assert_close(got.float(), expected.float(), atol=0.15, rtol=0)
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @compiles
-def test_one_graph_serves_long_pasts_in_bf16_within_bf16_rounding():
-    """Across FP32_PAST_UP_TO (attention's products turn bf16) and 4,096 positions (where inductor's
-    fp32 sums change their code), the graph compiled at the first token serves every later one."""
+def test_one_graph_serves_long_pasts_in_bf16_within_bf16_rounding(kernel, request):
+    """Across 4,096 positions (where inductor's fp32 sums change their code) and, gathering,
+    FP32_PAST_UP_TO (attention's products turn bf16), the graph compiled at the first token serves
+    every later one."""
+    if not kernel:
+        request.getfixturevalue("without_kernel")
     prompt = random_ids(4_080)
     results = []
     for compile_decode in (True, False):

@@ -9,7 +9,9 @@ fp32 and int8 weights are packed into a second copy (prefill and speculation's f
 model's own; int4 ones are read in place, on CPUs without AMX).
 
 The graph reads the K/V of earlier positions from the pool by slot (one dynamic length, so one
-compile serves every context) and returns the token's new K/V, which the caller writes once. Only
+compile serves every context) and returns the token's new K/V, which the caller writes once. Its
+attention is kvchat's kernel over the pool (native_attention.py), which reads each past row once in
+place; where that kernel cannot be built, the graph gathers each layer's K/V and multiplies. Only
 families the lean step reproduces (Llama, Qwen2, Qwen3) take it.
 """
 
@@ -29,6 +31,7 @@ import torch._inductor.config as inductor_config
 from torch import nn
 from torch._dynamo.decorators import mark_unbacked
 
+from kvchat.engine import native_attention
 from kvchat.engine.decode_step import PackedLinear, make_decode_step, rms_norm, rope, rotation
 from kvchat.engine.paged_attention import KVPool
 from kvchat.errors import ConfigError
@@ -84,12 +87,14 @@ def _(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 class _DecodeGraph(nn.Module):
     """One token through a Llama-like model over K/V in the pool. The same arithmetic as the lean
-    step, except in attention: the token's own score is an fp32 dot product, and over pasts up to
-    FP32_PAST_UP_TO positions the products are fp32 ones, where the lean step multiplies bf16."""
+    step, except in attention: kvchat's kernel (`native`) computes it in fp32; the gather path takes
+    the token's own score as an fp32 dot product, and over pasts up to FP32_PAST_UP_TO positions the
+    products are fp32 ones, where the lean step multiplies bf16."""
 
-    def __init__(self, model):
+    def __init__(self, model, native: bool):
         super().__init__()
         self.model = model
+        self.native = native
         first = model.model.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
         self.has_qk_norm = hasattr(first, "q_norm")
@@ -108,7 +113,13 @@ class _DecodeGraph(nn.Module):
             query, keys = rope(query, cos[0, 0], sin[0, 0]), rope(keys, cos[0, 0], sin[0, 0])
             new_keys.append(keys)
             new_values.append(values)
-            out = self._attend(query, keys, values, pool_keys[index], pool_values[index], past_slots)
+            if self.native:
+                grouped = query.view(keys.shape[0], -1, self.head_dim)  # (Hk, G, D)
+                out = torch.ops.kvchat.paged_decode_attention(
+                    grouped, keys, values, pool_keys, pool_values, index, past_slots, self.scaling
+                ).to(query.dtype)
+            else:
+                out = self._attend(query, keys, values, pool_keys[index], pool_values[index], past_slots)
             hidden = hidden + attn.o_proj(out.view(1, 1, -1))
             hidden = hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
         logits = self.model.lm_head(rms_norm(base.norm, hidden))[0]  # (1, V)
@@ -144,9 +155,20 @@ class CompiledDecodeStep:
             raise ConfigError("--compile needs a C++ compiler (g++, or $CXX) for torch.compile; none found")
         self.pool = pool
         keep_freed_memory()
-        self.graph = torch.compile(_DecodeGraph(model), mode="max-autotune")
+        self.native = native_attention.takes(pool.keys.dtype, pool.keys.device) and (
+            native_attention.paged_decode_attention() is not None
+        )
+        self.graph = torch.compile(_DecodeGraph(model, self.native), mode="max-autotune")
         plain = all(type(module) is nn.Linear for module in _linear_layers(model))
         self.options = PLAIN_OPTIONS if plain else QUANTIZED_OPTIONS
+
+    @property
+    def gather_reason(self) -> str | None:
+        """Why the graph gathers K/V for attention instead of reading the pool through kvchat's kernel;
+        None when it takes the kernel."""
+        if self.native:
+            return None
+        return native_attention.build_error() or f"kvchat's kernel takes no {self.pool.keys.dtype} pool"
 
     def __call__(
         self,

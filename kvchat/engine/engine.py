@@ -76,7 +76,8 @@ class Engine:
     def decode_path(self) -> str:
         """How single tokens decode, in words."""
         if self._compiled is not None:
-            return "compiled graph"
+            reason = self._compiled.gather_reason
+            return "compiled graph" if reason is None else f"compiled graph, attention by gather ({reason})"
         return "lean step" if self._decode_step is not None else "module forward"
 
     def verify_cost(self, num_drafts: int) -> float:
