@@ -43,7 +43,7 @@ def operands(dtype, num_kv_heads, group, head_dim, length, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "num_kv_heads,group,head_dim",
-    [(3, 3, 64), (2, 8, 128), (4, 1, 16), (1, 7, 32), (1, 2, 256), (2, 5, 40)],
+    [(3, 3, 64), (2, 8, 128), (4, 1, 16), (1, 7, 32), (1, 2, 256), (2, 5, 40), (1, 3, 96)],
 )
 @pytest.mark.parametrize("length", [0, 1, 33, 300])
 def test_kernel_equals_exact_attention(attend, dtype, num_kv_heads, group, head_dim, length):
@@ -51,6 +51,13 @@ def test_kernel_equals_exact_attention(attend, dtype, num_kv_heads, group, head_
     got = attend(*args)
     assert got.dtype == torch.float32 and got.shape == (num_kv_heads, group, head_dim)
     torch.testing.assert_close(got.double(), exact(*args), atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_takes_an_fp32_query_over_a_bf16_pool_unrounded(attend):
+    query, *rest = operands(torch.bfloat16, 2, 3, 64, 50)
+    query = torch.randn(query.shape)  # not bf16-representable
+    got = attend(query, *rest)
+    torch.testing.assert_close(got.double(), exact(query, *rest), atol=2e-6, rtol=1e-5)
 
 
 def test_kernel_reads_the_layer_it_is_given(attend):

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -41,6 +42,46 @@ inline floatv load(const c10::BFloat16* p) {
 
 inline void store(float* p, floatv v) { std::memcpy(p, &v, sizeof v); }
 
+// A bf16 row is read 32 values at a time as 16 words: each word's low half (shifted up) is an even
+// element, its high half an odd one, as fp32 -- two bit operations, where widening 16 values at a
+// time takes a lane shuffle. So with bf16 rows of a head size that is a multiple of 32, the scaled
+// query and the mixed values are kept in that order: each 32 floats as their 16 even elements, then
+// the 16 odd ones (`split_pairs`, `join_pairs`).
+template <typename T, int C>
+constexpr bool kPaired = std::is_same_v<T, c10::BFloat16> && C % 2 == 0;
+
+template <typename T, int C>
+inline void load_row(const T* row, floatv (&out)[C]) {
+  if constexpr (kPaired<T, C>) {
+    for (int m = 0; m < C / 2; ++m) {
+      wordv w;
+      std::memcpy(&w, row + m * 2 * kLanes, sizeof w);
+      wordv even = w << 16, odd = w & 0xFFFF0000u;
+      std::memcpy(&out[2 * m], &even, sizeof even);
+      std::memcpy(&out[2 * m + 1], &odd, sizeof odd);
+    }
+  } else {
+    for (int c = 0; c < C; ++c) out[c] = load(row + c * kLanes);
+  }
+}
+
+// each 32 floats of x (n of them) as evens then odds, and back
+inline void split_pairs(float* x, int64_t n) {
+  float pairs[2 * kLanes];
+  for (int64_t at = 0; at < n; at += 2 * kLanes) {
+    for (int j = 0; j < kLanes; ++j) pairs[j] = x[at + 2 * j], pairs[kLanes + j] = x[at + 2 * j + 1];
+    std::memcpy(x + at, pairs, sizeof pairs);
+  }
+}
+
+inline void join_pairs(float* x, int64_t n) {
+  float pairs[2 * kLanes];
+  for (int64_t at = 0; at < n; at += 2 * kLanes) {
+    for (int j = 0; j < kLanes; ++j) pairs[2 * j] = x[at + j], pairs[2 * j + 1] = x[at + kLanes + j];
+    std::memcpy(x + at, pairs, sizeof pairs);
+  }
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
@@ -53,6 +94,24 @@ inline float sum(floatv v) {
   return v[0];
 }
 
+// The lane sums of 16 vectors as one vector, sum(v[t]) in lane t: four rounds of pairing, each adding
+// the halves of two vectors laid side by side (15 adds for 16 sums, where one sum at a time takes 4).
+inline floatv sums16(floatv* v) {
+  for (int i = 0; i < 8; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  floatv sums = __builtin_shufflevector(v[0], v[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                __builtin_shufflevector(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  // the rounds leave position t in the lane of t's bits reversed
+  return __builtin_shufflevector(sums, sums, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
 // A row is C vectors (head_dim = C * kLanes); NG query heads at a time, held in registers.
 
 template <typename T, int C, int NG>
@@ -60,13 +119,24 @@ void scores_group(const float* q, const T* const* rows, int64_t count, float* sc
   floatv qv[NG][C];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = load(q + (g * C + c) * kLanes);
-  for (int64_t t = 0; t < count; ++t) {
-    floatv acc[NG] = {};
-    for (int c = 0; c < C; ++c) {
-      floatv k = load(rows[t] + c * kLanes);
-      for (int g = 0; g < NG; ++g) acc[g] += qv[g][c] * k;
+  floatv acc[NG][kLanes];
+  int64_t t = 0;
+  for (; t + kLanes <= count; t += kLanes) {
+    for (int i = 0; i < kLanes; ++i) {
+      floatv k[C];
+      load_row<T, C>(rows[t + i], k);
+      for (int g = 0; g < NG; ++g) acc[g][i] = floatv{};
+      for (int c = 0; c < C; ++c)
+        for (int g = 0; g < NG; ++g) acc[g][i] += qv[g][c] * k[c];
     }
-    for (int g = 0; g < NG; ++g) scores[g * stride + t] = sum(acc[g]);
+    for (int g = 0; g < NG; ++g) store(scores + g * stride + t, sums16(acc[g]));
+  }
+  for (; t < count; ++t) {
+    floatv k[C], one[NG] = {};
+    load_row<T, C>(rows[t], k);
+    for (int c = 0; c < C; ++c)
+      for (int g = 0; g < NG; ++g) one[g] += qv[g][c] * k[c];
+    for (int g = 0; g < NG; ++g) scores[g * stride + t] = sum(one[g]);
   }
 }
 
@@ -76,9 +146,11 @@ void mix_group(const float* probs, int64_t stride, const T* const* rows, int64_t
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = load(out + (g * C + c) * kLanes);
   for (int64_t t = 0; t < count; ++t) {
-    for (int c = 0; c < C; ++c) {
-      floatv v = load(rows[t] + c * kLanes);
-      for (int g = 0; g < NG; ++g) acc[g][c] += probs[g * stride + t] * v;
+    floatv v[C];
+    load_row<T, C>(rows[t], v);
+    for (int g = 0; g < NG; ++g) {
+      const float p = probs[g * stride + t];
+      for (int c = 0; c < C; ++c) acc[g][c] += p * v[c];
     }
   }
   for (int g = 0; g < NG; ++g)
@@ -180,14 +252,19 @@ void head_mix(const float* probs, int64_t G, int64_t D, const T* head, int64_t r
   }
 }
 
+// Head sizes with a vectorized path (the others go element by element).
+inline bool vectorized(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 128 || D == 256; }
+
 template <typename T>
-void attend(const at::Tensor& q, const at::Tensor& own_keys, const at::Tensor& own_values, const at::Tensor& keys,
+void attend(at::Tensor& q, const at::Tensor& own_keys, const at::Tensor& own_values, const at::Tensor& keys,
             const at::Tensor& values, int64_t layer, const at::Tensor& slots, at::Tensor& out) {
   const int64_t Hk = q.size(0), G = q.size(1), D = q.size(2), length = slots.size(0);
   const int64_t layer_stride = keys.stride(0), head_stride = keys.stride(1), row_stride = keys.stride(2);
   const T* key_heads = keys.const_data_ptr<T>() + layer * layer_stride;
   const T* value_heads = values.const_data_ptr<T>() + layer * layer_stride;
   const int64_t* slot = slots.const_data_ptr<int64_t>();
+  const bool paired = std::is_same_v<T, c10::BFloat16> && vectorized(D) && D % (2 * kLanes) == 0;
+  if (paired) split_pairs(q.mutable_data_ptr<float>(), q.numel());
   auto scores = at::empty({Hk, G, length + 1}, q.options());
   at::parallel_for(0, Hk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h)
@@ -200,6 +277,7 @@ void attend(const at::Tensor& q, const at::Tensor& own_keys, const at::Tensor& o
       head_mix<T>(probs.const_data_ptr<float>() + h * G * (length + 1), G, D, value_heads + h * head_stride,
                   row_stride, slot, length, own_values.const_data_ptr<T>() + h * D, out.mutable_data_ptr<float>() + h * G * D);
   });
+  if (paired) join_pairs(out.mutable_data_ptr<float>(), out.numel());
 }
 
 // query (Hk, G, D): the query heads grouped by the KV head they read; own_keys, own_values (Hk, D): the
@@ -218,7 +296,16 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& own
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong, "slots (T,) int64");
   TORCH_CHECK(query.size(0) == keys.size(1) && query.size(2) == keys.size(3), "query and pool heads differ");
   TORCH_CHECK(layer >= 0 && layer < keys.size(0), "no such layer");
-  const at::Tensor q = (query.to(at::kFloat) * scale).contiguous();
+  // the query scaled, in fp32: a new tensor, which attend may reorder
+  at::Tensor q = at::empty(query.sizes(), query.options().dtype(at::kFloat));
+  const bool bf16 = query.scalar_type() == at::kBFloat16;
+  const at::Tensor given = bf16 ? query.contiguous() : query.to(at::kFloat).contiguous();
+  float* scaled = q.mutable_data_ptr<float>();
+  const auto scale_from = [&](const auto* x) {
+    for (int64_t i = 0; i < q.numel(); ++i) scaled[i] = to_float(x[i]) * static_cast<float>(scale);
+  };
+  if (bf16) scale_from(given.const_data_ptr<c10::BFloat16>());
+  else scale_from(given.const_data_ptr<float>());
   const at::Tensor own_k = own_keys.to(keys.scalar_type()).contiguous();
   const at::Tensor own_v = own_values.to(values.scalar_type()).contiguous();
   const at::Tensor index = slots.contiguous();
