@@ -12,6 +12,7 @@ from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import RepairStrategy, ReuseMode
 from kvchat.config import CacheSettings, DecodeSettings, ReuseSettings, Settings
+from kvchat.engine import native_attention
 from kvchat.engine.engine import Engine, kv_shape
 from kvchat.engine.paged_attention import KVPool
 from kvchat.engine.speculate import Speculation
@@ -66,7 +67,13 @@ def make_engine(loaded: LoadedModel, settings: Settings, progress: ProgressCallb
     asked = (
         f"--kv-memory {cache.kv_memory_mb} MiB" if cache.ctx_size is None else f"--ctx-size {cache.ctx_size}"
     )
-    check_kv_memory(budget, asked, next(loaded.model.parameters()).device)
+    device = next(loaded.model.parameters()).device
+    check_kv_memory(budget, asked, device)
+    if native_attention.takes(loaded.dtype, device):
+        loading = "Loading kvchat's attention kernel (built at the first start on a machine, ~10 s)"
+        report(progress, loading, 0, 1)
+        native_attention.paged_decode_attention()
+        report(progress, loading, 1, 1)
     compiling = "Compiling the decode step (torch.compile, a minute or two)"
     if settings.model.compile:
         report(progress, compiling, 0, 1)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvchat.engine import native_attention
+from kvchat.engine.compiled_step import has_cpp_compiler
 from kvchat.engine.decode_step import (
     MAX_LEAN_TOKENS,
     PackedLinear,
@@ -108,12 +110,20 @@ def decode_logits(engine, prompt, steps):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
-def test_lean_step_equals_module_forward(kind, dtype, tol):
-    """Lean step (with bf16 linears packed) against the module forward of an untouched twin model."""
+@pytest.mark.parametrize("kernel", [True, False])
+def test_lean_step_equals_module_forward(kind, dtype, tol, kernel, monkeypatch):
+    """Lean step (with bf16 linears packed) against the module forward of an untouched twin model;
+    single tokens attend through kvchat's kernel, or, where it is not built, over gathered runs."""
+    if kernel and not has_cpp_compiler():
+        pytest.skip("the kernel is built with a C++ compiler")
+    if not kernel:
+        monkeypatch.setattr(native_attention, "_build", lambda: (None, "not built in this test"))
     prompt, steps = random_ids(37), random_ids(5, seed=2)
     lean_engine = Engine(
         make_tiny_model(kind, dtype=dtype), kv_memory_bytes=1 << 22, block_size=16, prefill_chunk=512
     )
+    expected_path = "lean step" if kernel else "lean step, attention by gather (not built in this test)"
+    assert lean_engine.decode_path == expected_path
     plain_engine = Engine(
         make_tiny_model(kind, dtype=dtype),
         kv_memory_bytes=1 << 22,

@@ -155,20 +155,10 @@ class CompiledDecodeStep:
             raise ConfigError("--compile needs a C++ compiler (g++, or $CXX) for torch.compile; none found")
         self.pool = pool
         keep_freed_memory()
-        self.native = native_attention.takes(pool.keys.dtype, pool.keys.device) and (
-            native_attention.paged_decode_attention() is not None
-        )
+        self.native = native_attention.for_pool(pool.keys.dtype, pool.keys.device) is not None
         self.graph = torch.compile(_DecodeGraph(model, self.native), mode="max-autotune")
         plain = all(type(module) is nn.Linear for module in _linear_layers(model))
         self.options = PLAIN_OPTIONS if plain else QUANTIZED_OPTIONS
-
-    @property
-    def gather_reason(self) -> str | None:
-        """Why the graph gathers K/V for attention instead of reading the pool through kvchat's kernel;
-        None when it takes the kernel."""
-        if self.native:
-            return None
-        return native_attention.build_error() or f"kvchat's kernel takes no {self.pool.keys.dtype} pool"
 
     def __call__(
         self,

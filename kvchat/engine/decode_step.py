@@ -23,8 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.engine.paged_attention import KVRuns, grouped_attention
-
 FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
 RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})  # weight * normalized x
 MAX_LEAN_TOKENS = 16  # beyond speculation's drafts a forward is a prefill, where SDPA is the better kernel
@@ -71,8 +69,11 @@ def pack_linears_(model: nn.Module) -> int:
 
 
 class KVStore(Protocol):
-    def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> KVRuns:
-        """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far, as runs."""
+    def attend(
+        self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """Keep one layer's new K/V (1, Hk, q, D); return the causal attention of the queries
+        (1, Hq, q, D) over all of its K/V so far, (1, q, Hq * D)."""
         ...
 
 
@@ -97,8 +98,7 @@ class LeanDecodeStep:
             x = rms_norm(layer.input_layernorm, hidden)  # (1, q, d)
             query, keys, values = self._project(attn, x)
             query, keys = rope(query, cos, sin), rope(keys, cos, sin)
-            runs = kv.store(index, keys, values)  # (Hk, T_run, D) pairs over all T positions
-            out = grouped_attention(query, runs, self.scaling)  # (1, q, Hq*D)
+            out = kv.attend(index, query, keys, values, self.scaling)  # (1, q, Hq*D)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
         hidden = rms_norm(self.base.norm, hidden[:, -num_logits:])  # (1, n, d)

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
+from kvchat.engine import native_attention
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, Sequence, chain_hash
 from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compile, quiet_compile
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step, pack_linears_
@@ -60,7 +61,8 @@ class Engine:
         self.pool = KVPool(
             self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
         )
-        self._kv = PagedKV(self.pool)
+        kernel = native_attention.for_pool(self.dtype, self.device) if self._decode_step is not None else None
+        self._kv = PagedKV(self.pool, kernel)
         self._cache = ForwardCache(self._kv, self.num_layers)
         self._seq_ids = itertools.count(1)
         self._compiled = CompiledDecodeStep(model, self.pool) if compile_decode else None
@@ -76,9 +78,14 @@ class Engine:
     def decode_path(self) -> str:
         """How single tokens decode, in words."""
         if self._compiled is not None:
-            reason = self._compiled.gather_reason
-            return "compiled graph" if reason is None else f"compiled graph, attention by gather ({reason})"
-        return "lean step" if self._decode_step is not None else "module forward"
+            path, in_place = "compiled graph", self._compiled.native
+        elif self._decode_step is not None:
+            path, in_place = "lean step", self._kv.kernel is not None
+        else:
+            return "module forward"
+        if in_place:
+            return path
+        return f"{path}, attention by gather ({native_attention.gather_reason(self.dtype, self.device)})"
 
     def verify_cost(self, num_drafts: int) -> float:
         """What a forward over the last token and `num_drafts` drafts costs, in single-token steps of

@@ -44,6 +44,18 @@ def takes(pool_dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and pool_dtype in DTYPES
 
 
+def for_pool(pool_dtype: torch.dtype, device: torch.device) -> Callable | None:
+    """The op for a pool of this dtype on this device (building it if need be), or None."""
+    return paged_decode_attention() if takes(pool_dtype, device) else None
+
+
+def gather_reason(pool_dtype: torch.dtype, device: torch.device) -> str:
+    """Why a pool of this dtype on this device is attended by gathering, in a few words."""
+    if not takes(pool_dtype, device):
+        return f"kvchat's kernel takes no {str(pool_dtype).removeprefix('torch.')} pool on {device.type}"
+    return build_error() or "kvchat's kernel is built"
+
+
 @functools.cache
 def _build() -> tuple[Callable | None, str | None]:
     try:

@@ -129,13 +129,18 @@ def position_slots(block_table: list[int], block_size: int, length: int, device)
 
 class PagedKV:
     """The K/V of one forward over positions start..end-1 of a sequence whose earlier positions the
-    pool holds: `store` writes a layer's new K/V and returns the layer's K/V over 0..end-1."""
+    pool holds: `store` writes a layer's new K/V and returns the layer's K/V over 0..end-1; `attend`
+    writes them and attends over 0..end-1.
 
-    def __init__(self, pool: KVPool):
-        self.pool = pool
+    With `kernel` (kvchat::paged_decode_attention, native_attention.py), one new token's attention
+    reads the pool in place by slot; several tokens' attention (speculation's) reads the runs."""
+
+    def __init__(self, pool: KVPool, kernel: Callable | None = None):
+        self.pool, self.kernel = pool, kernel
         self.slots: torch.Tensor | None = None  # (q,) where the new K/V go
         self.runs: list[tuple[int, int]] = []  # where positions 0..end-1 are, as slot ranges
         self.all_slots: torch.Tensor | None = None  # the same one by one (T,), past MAX_RUNS runs
+        self.past_slots: torch.Tensor | None = None  # (T-1,) where the kernel reads a token's past
         self.length = 0
 
     def bind(self, slots: torch.Tensor, block_table: list[int], length: int) -> None:
@@ -144,9 +149,26 @@ class PagedKV:
         bs = self.pool.block_size
         self.slots, self.length = slots, length
         self.runs = slot_runs(block_table, bs, length)
-        self.all_slots = None
+        self.all_slots = self.past_slots = None
         if len(self.runs) > MAX_RUNS:
             self.all_slots = position_slots(block_table, bs, length, slots.device)  # (T,)
+        if self.kernel is not None and len(slots) == 1:
+            self.past_slots = position_slots(block_table, bs, length - 1, slots.device)  # (T-1,)
+
+    def attend(
+        self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """Keep one layer's new K/V (1, Hk, q, D), then the causal attention of the new queries
+        (1, Hq, q, D) over all positions so far: (1, q, Hq * D)."""
+        if self.kernel is None or self.past_slots is None:
+            return grouped_attention(query, self.store(layer, keys, values), scaling)
+        self.write(layer, keys, values)
+        num_kv_heads, head_dim = keys.shape[1], keys.shape[3]
+        grouped = query.reshape(num_kv_heads, -1, head_dim)  # (Hk, G, D): query head h reads KV head h // G
+        own_keys, own_values = keys[0, :, 0], values[0, :, 0]  # (Hk, D)
+        pool, past = self.pool, self.past_slots
+        out = self.kernel(grouped, own_keys, own_values, pool.keys, pool.values, layer, past, scaling)
+        return out.to(query.dtype).view(1, 1, -1)
 
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> KVRuns:
         """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far as runs, valid until the
