@@ -27,7 +27,7 @@ def compiles(test):
 @pytest.fixture
 def without_kernel(monkeypatch):
     """As where kvchat's attention kernel cannot be built: the graph gathers K/V and multiplies."""
-    monkeypatch.setattr(native_attention, "_build", lambda: (None, "not built in this test"))
+    monkeypatch.setattr(native_attention, "_build", lambda: (False, "not built in this test"))
 
 
 def random_ids(n, seed=0, vocab=512):

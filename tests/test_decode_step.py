@@ -117,7 +117,7 @@ def test_lean_step_equals_module_forward(kind, dtype, tol, kernel, monkeypatch):
     if kernel and not has_cpp_compiler():
         pytest.skip("the kernel is built with a C++ compiler")
     if not kernel:
-        monkeypatch.setattr(native_attention, "_build", lambda: (None, "not built in this test"))
+        monkeypatch.setattr(native_attention, "_build", lambda: (False, "not built in this test"))
     prompt, steps = random_ids(37), random_ids(5, seed=2)
     lean_engine = Engine(
         make_tiny_model(kind, dtype=dtype), kv_memory_bytes=1 << 22, block_size=16, prefill_chunk=512

@@ -1,9 +1,10 @@
-"""`kvchat::paged_decode_attention`, the compiled graph's attention over the pool (paged_decode.cpp).
+"""kvchat's attention kernels over the pool (paged_decode.cpp): `kvchat::paged_decode_attention`,
+one token in the compiled graph, and `kvchat::paged_attention`, the lean step's few tokens.
 
 One token's attention read through a gather and two small matmuls costs, per layer of SmolLM2 in bf16,
 ~60 us at 50 positions and ~450 us at 4,096: the gather copies the layer's K/V, the matmuls read the
 copy again, and torch's products are slow at these shapes. The kernel reads each past row once where
-it lies in the pool, in fp32: ~10 and ~280 us.
+it lies in the pool, in fp32: ~7 and ~160-190 us.
 
 It is built at first use with the machine's C++ compiler (`torch.utils.cpp_extension`, ~10 s) for this
 CPU (`-march=native`), and cached by torch under a name that carries the CPU's features, so a cache
@@ -30,8 +31,13 @@ DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 
 def paged_decode_attention() -> Callable | None:
-    """The op, or None where it cannot be built (see `build_error`)."""
-    return _build()[0]
+    """The one-token op, or None where the kernels cannot be built (see `build_error`)."""
+    return torch.ops.kvchat.paged_decode_attention if _build()[0] else None
+
+
+def paged_attention() -> Callable | None:
+    """The few-tokens op, or None where the kernels cannot be built (see `build_error`)."""
+    return torch.ops.kvchat.paged_attention if _build()[0] else None
 
 
 def build_error() -> str | None:
@@ -45,8 +51,8 @@ def takes(pool_dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def for_pool(pool_dtype: torch.dtype, device: torch.device) -> Callable | None:
-    """The op for a pool of this dtype on this device (building it if need be), or None."""
-    return paged_decode_attention() if takes(pool_dtype, device) else None
+    """The few-tokens op for a pool of this dtype on this device (building it if need be), or None."""
+    return paged_attention() if takes(pool_dtype, device) else None
 
 
 def gather_reason(pool_dtype: torch.dtype, device: torch.device) -> str:
@@ -57,7 +63,8 @@ def gather_reason(pool_dtype: torch.dtype, device: torch.device) -> str:
 
 
 @functools.cache
-def _build() -> tuple[Callable | None, str | None]:
+def _build() -> tuple[bool, str | None]:
+    """Whether the kernels are built and registered, and if not, why."""
     try:
         from torch.utils import cpp_extension
 
@@ -73,15 +80,20 @@ def _build() -> tuple[Callable | None, str | None]:
             )
     except Exception as error:  # a missing compiler or ninja, a failed build: the graph gathers instead
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        return None, f"{type(error).__name__}: {first_line}"
-    op = torch.ops.kvchat.paged_decode_attention
-    _register_fake()
-    return op, None
+        return False, f"{type(error).__name__}: {first_line}"
+    _register_fakes()
+    return True, None
 
 
-def _register_fake() -> None:
+def _register_fakes() -> None:
+    """Output shapes for torch.compile's tracing: the query's, in fp32."""
+
     @torch.library.register_fake("kvchat::paged_decode_attention")
     def _(query, own_keys, own_values, keys, values, layer, slots, scale):
+        return query.new_empty(query.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("kvchat::paged_attention")
+    def _(query, keys, values, layer, slots, num_new, scale):
         return query.new_empty(query.shape, dtype=torch.float32)
 
 

@@ -5,6 +5,9 @@
 each layer's attention reads the sequence's K/V from there, inside the KV budget; sequences that take
 turns reload nothing.
 
+The lean decode step's attention reads the pool in place, by slot, through kvchat's kernel
+(native_attention.py) where it could be built. Otherwise, and for the module forward:
+
 A sequence's blocks lie in a few runs of consecutive ids (a shared prefix, then its own blocks); a
 run is a strided view of the pool. torch's CPU batched matmul reads such a view in place in fp32 but
 copies it in bf16 (its heads are not packed back to back). So the decode step attends over the runs
@@ -132,16 +135,17 @@ class PagedKV:
     pool holds: `store` writes a layer's new K/V and returns the layer's K/V over 0..end-1; `attend`
     writes them and attends over 0..end-1.
 
-    With `kernel` (kvchat::paged_decode_attention, native_attention.py), one new token's attention
-    reads the pool in place by slot; several tokens' attention (speculation's) reads the runs."""
+    With `kernel` (kvchat::paged_attention, native_attention.py), `attend` reads the pool in place by
+    slot; without, it reads the runs as `store` returns them."""
 
     def __init__(self, pool: KVPool, kernel: Callable | None = None):
         self.pool, self.kernel = pool, kernel
         self.slots: torch.Tensor | None = None  # (q,) where the new K/V go
         self.runs: list[tuple[int, int]] = []  # where positions 0..end-1 are, as slot ranges
         self.all_slots: torch.Tensor | None = None  # the same one by one (T,), past MAX_RUNS runs
-        self.past_slots: torch.Tensor | None = None  # (T-1,) where the kernel reads a token's past
+        self.block_table: list[int] = []
         self.length = 0
+        self._slots_read: torch.Tensor | None = None  # (T,) as the kernel reads them, once per forward
 
     def bind(self, slots: torch.Tensor, block_table: list[int], length: int) -> None:
         """Prepare a forward writing its new K/V at pool `slots`, over a sequence of `length` positions
@@ -149,26 +153,25 @@ class PagedKV:
         bs = self.pool.block_size
         self.slots, self.length = slots, length
         self.runs = slot_runs(block_table, bs, length)
-        self.all_slots = self.past_slots = None
+        self.block_table, self.all_slots, self._slots_read = block_table, None, None
         if len(self.runs) > MAX_RUNS:
             self.all_slots = position_slots(block_table, bs, length, slots.device)  # (T,)
-        if self.kernel is not None and len(slots) == 1:
-            self.past_slots = position_slots(block_table, bs, length - 1, slots.device)  # (T-1,)
 
     def attend(
         self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
     ) -> torch.Tensor:
         """Keep one layer's new K/V (1, Hk, q, D), then the causal attention of the new queries
         (1, Hq, q, D) over all positions so far: (1, q, Hq * D)."""
-        if self.kernel is None or self.past_slots is None:
+        if self.kernel is None:
             return grouped_attention(query, self.store(layer, keys, values), scaling)
         self.write(layer, keys, values)
-        num_kv_heads, head_dim = keys.shape[1], keys.shape[3]
-        grouped = query.reshape(num_kv_heads, -1, head_dim)  # (Hk, G, D): query head h reads KV head h // G
-        own_keys, own_values = keys[0, :, 0], values[0, :, 0]  # (Hk, D)
-        pool, past = self.pool, self.past_slots
-        out = self.kernel(grouped, own_keys, own_values, pool.keys, pool.values, layer, past, scaling)
-        return out.to(query.dtype).view(1, 1, -1)
+        _, num_heads, num_new, head_dim = query.shape
+        # (Hk, G*q, D), row g*q + i: query head h reads KV head h // G, as transformers' repeat_kv does
+        grouped = query.reshape(keys.shape[1], -1, head_dim)
+        pool = self.pool
+        out = self.kernel(grouped, pool.keys, pool.values, layer, self._positions(), num_new, scaling)
+        out = out.to(query.dtype).view(num_heads, num_new, head_dim).transpose(0, 1)  # (q, Hq, D)
+        return out.reshape(1, num_new, num_heads * head_dim)
 
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> KVRuns:
         """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far as runs, valid until the
@@ -190,6 +193,16 @@ class PagedKV:
             return self.pool.keys[layer, None, :, a:b], self.pool.values[layer, None, :, a:b]
         all_keys, all_values = self._copied(layer)
         return all_keys.unsqueeze(0), all_values.unsqueeze(0)
+
+    def _positions(self) -> torch.Tensor:
+        """The slots of positions 0..length-1 one by one (T,), made once per forward."""
+        if self._slots_read is None:
+            assert self.slots is not None
+            self._slots_read = self.all_slots
+            if self._slots_read is None:
+                bs, device = self.pool.block_size, self.slots.device
+                self._slots_read = position_slots(self.block_table, bs, self.length, device)
+        return self._slots_read
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         assert self.slots is not None

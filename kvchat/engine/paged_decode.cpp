@@ -1,10 +1,11 @@
-// Decode attention of one token over the paged K/V pool, reading each past key and value once, in
-// place, by slot: kvchat::paged_decode_attention (registered for CPU; built by native_attention.py).
+// Attention over the paged K/V pool that reads each past key and value once, in place, by slot,
+// registered for CPU (built by native_attention.py):
+//   kvchat::paged_decode_attention  one token whose K/V are not in the pool yet (the compiled graph);
+//   kvchat::paged_attention         a few new tokens whose K/V the pool holds (the lean step).
 //
-// The same arithmetic as the compiled graph's gather-then-matmul path, in fp32 throughout: scores of
-// the grouped query heads against the past keys and the token's own key, a softmax, and the values
-// mixed by it. The gather copied each layer's K/V (1.5 MB each for SmolLM2 at 4,096 positions) before
-// two small matmuls read the copy again; here each row is read once, where it lies in the pool.
+// fp32 arithmetic throughout: scores of the grouped query heads against the keys, a softmax, and the
+// values mixed by it. Gathering a layer's K/V first (1.5 MB each for SmolLM2 at 4,096 positions) and
+// multiplying the copy read everything twice; here each row is read once, where it lies in the pool.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -13,7 +14,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -204,50 +207,61 @@ void mix_any(const float* probs, int64_t stride, int64_t G, int64_t D, const T* 
       for (int64_t d = 0; d < D; ++d) out[g * D + d] += probs[g * stride + t] * to_float(rows[t][d]);
 }
 
-// The rows of positions t0.. of one KV head: the past ones at their slots, then the token's own.
+// One KV head's rows: positions 0..length-1 at their slots in the pool, then, where `own` is set,
+// one more position whose row is `own` (a token's K/V not yet in the pool).
 template <typename T>
-int64_t tile_rows(const T* head, int64_t row_stride, const int64_t* slots, int64_t length, const T* own,
-                  int64_t t0, const T** rows) {
-  const int64_t count = std::min<int64_t>(kTile, length + 1 - t0);
-  for (int64_t i = 0; i < count; ++i) rows[i] = t0 + i < length ? head + slots[t0 + i] * row_stride : own;
-  return count;
-}
+struct HeadRows {
+  const T* head;
+  int64_t row_stride;
+  const int64_t* slots;
+  int64_t length;
+  const T* own;
 
-// One KV head: scores (G, length + 1) of the query heads q (G, D), already scaled.
+  int64_t total() const { return length + (own != nullptr ? 1 : 0); }
+
+  // the rows of positions t0.. (at most kTile); returns how many
+  int64_t tile(int64_t t0, const T** rows) const {
+    const int64_t count = std::min<int64_t>(kTile, total() - t0);
+    for (int64_t i = 0; i < count; ++i) rows[i] = t0 + i < length ? head + slots[t0 + i] * row_stride : own;
+    return count;
+  }
+};
+
+// One KV head: scores (R, total) of the query rows q (R, D), already scaled.
 template <typename T>
-void head_scores(const float* q, int64_t G, int64_t D, const T* head, int64_t row_stride, const int64_t* slots,
-                 int64_t length, const T* own, float* scores) {
+void head_scores(const float* q, int64_t R, int64_t D, const HeadRows<T>& heads, float* scores) {
+  const int64_t total = heads.total();
   const T* rows[kTile];
-  for (int64_t t0 = 0; t0 <= length; t0 += kTile) {
-    const int64_t count = tile_rows(head, row_stride, slots, length, own, t0, rows);
+  for (int64_t t0 = 0; t0 < total; t0 += kTile) {
+    const int64_t count = heads.tile(t0, rows);
     float* at = scores + t0;
     switch (D) {
-      case 16: scores_rows<T, 1>(q, G, rows, count, at, length + 1); break;
-      case 32: scores_rows<T, 2>(q, G, rows, count, at, length + 1); break;
-      case 64: scores_rows<T, 4>(q, G, rows, count, at, length + 1); break;
-      case 128: scores_rows<T, 8>(q, G, rows, count, at, length + 1); break;
-      case 256: scores_rows<T, 16>(q, G, rows, count, at, length + 1); break;
-      default: scores_any<T>(q, G, D, rows, count, at, length + 1);
+      case 16: scores_rows<T, 1>(q, R, rows, count, at, total); break;
+      case 32: scores_rows<T, 2>(q, R, rows, count, at, total); break;
+      case 64: scores_rows<T, 4>(q, R, rows, count, at, total); break;
+      case 128: scores_rows<T, 8>(q, R, rows, count, at, total); break;
+      case 256: scores_rows<T, 16>(q, R, rows, count, at, total); break;
+      default: scores_any<T>(q, R, D, rows, count, at, total);
     }
   }
 }
 
-// One KV head: out (G, D) = probs (G, length + 1) times the value rows.
+// One KV head: out (R, D) = probs (R, total) times the value rows.
 template <typename T>
-void head_mix(const float* probs, int64_t G, int64_t D, const T* head, int64_t row_stride, const int64_t* slots,
-              int64_t length, const T* own, float* out) {
-  std::fill(out, out + G * D, 0.f);
+void head_mix(const float* probs, int64_t R, int64_t D, const HeadRows<T>& heads, float* out) {
+  const int64_t total = heads.total();
+  std::fill(out, out + R * D, 0.f);
   const T* rows[kTile];
-  for (int64_t t0 = 0; t0 <= length; t0 += kTile) {
-    const int64_t count = tile_rows(head, row_stride, slots, length, own, t0, rows);
+  for (int64_t t0 = 0; t0 < total; t0 += kTile) {
+    const int64_t count = heads.tile(t0, rows);
     const float* at = probs + t0;
     switch (D) {
-      case 16: mix_rows<T, 1>(at, length + 1, G, rows, count, out); break;
-      case 32: mix_rows<T, 2>(at, length + 1, G, rows, count, out); break;
-      case 64: mix_rows<T, 4>(at, length + 1, G, rows, count, out); break;
-      case 128: mix_rows<T, 8>(at, length + 1, G, rows, count, out); break;
-      case 256: mix_rows<T, 16>(at, length + 1, G, rows, count, out); break;
-      default: mix_any<T>(at, length + 1, G, D, rows, count, out);
+      case 16: mix_rows<T, 1>(at, total, R, rows, count, out); break;
+      case 32: mix_rows<T, 2>(at, total, R, rows, count, out); break;
+      case 64: mix_rows<T, 4>(at, total, R, rows, count, out); break;
+      case 128: mix_rows<T, 8>(at, total, R, rows, count, out); break;
+      case 256: mix_rows<T, 16>(at, total, R, rows, count, out); break;
+      default: mix_any<T>(at, total, R, D, rows, count, out);
     }
   }
 }
@@ -255,38 +269,49 @@ void head_mix(const float* probs, int64_t G, int64_t D, const T* head, int64_t r
 // Head sizes with a vectorized path (the others go element by element).
 inline bool vectorized(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 128 || D == 256; }
 
+// The attention of the scaled query rows q (Hk, R, D) of `num_new` new tokens (row r is token
+// r % num_new, the last num_new positions, each seeing the positions up to its own) over one layer
+// of the pool at `slots`, then the token's own K/V (Hk, D) where given (undefined tensors otherwise).
 template <typename T>
-void attend(at::Tensor& q, const at::Tensor& own_keys, const at::Tensor& own_values, const at::Tensor& keys,
-            const at::Tensor& values, int64_t layer, const at::Tensor& slots, at::Tensor& out) {
-  const int64_t Hk = q.size(0), G = q.size(1), D = q.size(2), length = slots.size(0);
+void attend(at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t layer, const at::Tensor& slots,
+            const at::Tensor& own_keys, const at::Tensor& own_values, int64_t num_new, at::Tensor& out) {
+  const int64_t Hk = q.size(0), R = q.size(1), D = q.size(2), length = slots.size(0);
   const int64_t layer_stride = keys.stride(0), head_stride = keys.stride(1), row_stride = keys.stride(2);
-  const T* key_heads = keys.const_data_ptr<T>() + layer * layer_stride;
-  const T* value_heads = values.const_data_ptr<T>() + layer * layer_stride;
   const int64_t* slot = slots.const_data_ptr<int64_t>();
+  const auto rows_of = [&](const at::Tensor& pool, const at::Tensor& own, int64_t h) {
+    const T* own_row = own.defined() ? own.const_data_ptr<T>() + h * D : nullptr;
+    return HeadRows<T>{pool.const_data_ptr<T>() + layer * layer_stride + h * head_stride, row_stride, slot, length,
+                       own_row};
+  };
+  const int64_t total = length + (own_keys.defined() ? 1 : 0);
   const bool paired = std::is_same_v<T, c10::BFloat16> && vectorized(D) && D % (2 * kLanes) == 0;
   if (paired) split_pairs(q.mutable_data_ptr<float>(), q.numel());
-  auto scores = at::empty({Hk, G, length + 1}, q.options());
+  at::Tensor scores = at::empty({Hk, R, total}, q.options());
+  float* score = scores.mutable_data_ptr<float>();
   at::parallel_for(0, Hk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h)
-      head_scores<T>(q.const_data_ptr<float>() + h * G * D, G, D, key_heads + h * head_stride, row_stride, slot,
-                     length, own_keys.const_data_ptr<T>() + h * D, scores.mutable_data_ptr<float>() + h * G * (length + 1));
+      head_scores<T>(q.const_data_ptr<float>() + h * R * D, R, D, rows_of(keys, own_keys, h), score + h * R * total);
   });
+  if (num_new > 1) {  // each new token sees the positions up to its own
+    for (int64_t row = 0; row < Hk * R; ++row) {
+      const int64_t seen = total - num_new + row % R % num_new + 1;
+      std::fill(score + row * total + seen, score + (row + 1) * total, -std::numeric_limits<float>::infinity());
+    }
+  }
   const at::Tensor probs = at::softmax(scores, -1);
   at::parallel_for(0, Hk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h)
-      head_mix<T>(probs.const_data_ptr<float>() + h * G * (length + 1), G, D, value_heads + h * head_stride,
-                  row_stride, slot, length, own_values.const_data_ptr<T>() + h * D, out.mutable_data_ptr<float>() + h * G * D);
+      head_mix<T>(probs.const_data_ptr<float>() + h * R * total, R, D, rows_of(values, own_values, h),
+                  out.mutable_data_ptr<float>() + h * R * D);
   });
   if (paired) join_pairs(out.mutable_data_ptr<float>(), out.numel());
 }
 
-// query (Hk, G, D): the query heads grouped by the KV head they read; own_keys, own_values (Hk, D): the
-// token's own; keys, values (L, Hk, S, D): the pool; slots (T,): where positions 0..T-1 are.
-// Returns fp32 (Hk, G, D).
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& own_keys, const at::Tensor& own_values,
-                                  const at::Tensor& keys, const at::Tensor& values, int64_t layer,
-                                  const at::Tensor& slots, double scale) {
-  TORCH_CHECK(query.dim() == 3 && own_keys.dim() == 2 && own_values.dim() == 2, "query (Hk, G, D), own K/V (Hk, D)");
+// Checks the operands; returns the query scaled in fp32 (a new tensor, which attend may reorder) and
+// the slots, contiguous.
+std::pair<at::Tensor, at::Tensor> prepare(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                                          int64_t layer, const at::Tensor& slots, double scale) {
+  TORCH_CHECK(query.dim() == 3, "query (Hk, R, D)");
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.strides() == values.strides(),
               "pool keys and values (L, Hk, S, D) alike");
   TORCH_CHECK(keys.stride(3) == 1, "pool rows must be contiguous");
@@ -296,7 +321,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& own
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong, "slots (T,) int64");
   TORCH_CHECK(query.size(0) == keys.size(1) && query.size(2) == keys.size(3), "query and pool heads differ");
   TORCH_CHECK(layer >= 0 && layer < keys.size(0), "no such layer");
-  // the query scaled, in fp32: a new tensor, which attend may reorder
+  const at::Tensor index = slots.contiguous();
+  const int64_t* slot = index.const_data_ptr<int64_t>();
+  const auto [lowest, highest] = std::minmax_element(slot, slot + index.numel());
+  TORCH_CHECK(index.numel() == 0 || (*lowest >= 0 && *highest < keys.size(2)), "a slot outside the pool");
   at::Tensor q = at::empty(query.sizes(), query.options().dtype(at::kFloat));
   const bool bf16 = query.scalar_type() == at::kBFloat16;
   const at::Tensor given = bf16 ? query.contiguous() : query.to(at::kFloat).contiguous();
@@ -306,15 +334,42 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& own
   };
   if (bf16) scale_from(given.const_data_ptr<c10::BFloat16>());
   else scale_from(given.const_data_ptr<float>());
+  return {q, index};
+}
+
+template <typename... Args>
+void attend_as_pool(const at::Tensor& keys, Args&&... args) {
+  if (keys.scalar_type() == at::kFloat) attend<float>(std::forward<Args>(args)...);
+  else attend<c10::BFloat16>(std::forward<Args>(args)...);
+}
+
+// One token: query (Hk, G, D), the query heads grouped by the KV head they read; own_keys, own_values
+// (Hk, D), the token's K/V, not in the pool; keys, values (L, Hk, S, D), the pool; slots (T,), where
+// positions 0..T-1 are. Returns fp32 (Hk, G, D).
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& own_keys, const at::Tensor& own_values,
+                                  const at::Tensor& keys, const at::Tensor& values, int64_t layer,
+                                  const at::Tensor& slots, double scale) {
+  TORCH_CHECK(own_keys.dim() == 2 && own_keys.sizes() == own_values.sizes() && own_keys.size(0) == query.size(0) &&
+                  own_keys.size(1) == query.size(2),
+              "own K/V (Hk, D)");
+  auto [q, index] = prepare(query, keys, values, layer, slots, scale);
   const at::Tensor own_k = own_keys.to(keys.scalar_type()).contiguous();
   const at::Tensor own_v = own_values.to(values.scalar_type()).contiguous();
-  const at::Tensor index = slots.contiguous();
-  const int64_t* slot = index.const_data_ptr<int64_t>();
-  const auto [lowest, highest] = std::minmax_element(slot, slot + index.numel());
-  TORCH_CHECK(index.numel() == 0 || (*lowest >= 0 && *highest < keys.size(2)), "a slot outside the pool");
   at::Tensor out = at::empty(q.sizes(), q.options());
-  if (keys.scalar_type() == at::kFloat) attend<float>(q, own_k, own_v, keys, values, layer, index, out);
-  else attend<c10::BFloat16>(q, own_k, own_v, keys, values, layer, index, out);
+  attend_as_pool(keys, q, keys, values, layer, index, own_k, own_v, int64_t{1}, out);
+  return out;
+}
+
+// num_new tokens whose K/V the pool holds, at the last num_new of `slots` (T,): query (Hk, G * num_new,
+// D), row g * num_new + i the query head g of the KV head's group for new token i, which sees positions
+// 0..T-num_new+i. Returns fp32 (Hk, G * num_new, D).
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, int64_t layer,
+                           const at::Tensor& slots, int64_t num_new, double scale) {
+  TORCH_CHECK(num_new >= 1 && query.dim() == 3 && query.size(1) % num_new == 0 && slots.size(0) >= num_new,
+              "num_new tokens: a multiple of query rows, at most the positions");
+  auto [q, index] = prepare(query, keys, values, layer, slots, scale);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  attend_as_pool(keys, q, keys, values, layer, index, at::Tensor(), at::Tensor(), num_new, out);
   return out;
 }
 
@@ -324,6 +379,11 @@ TORCH_LIBRARY_FRAGMENT(kvchat, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor own_keys, Tensor own_values, Tensor keys, Tensor values, "
       "int layer, Tensor slots, float scale) -> Tensor");
+  m.def("paged_attention(Tensor query, Tensor keys, Tensor values, int layer, Tensor slots, int num_new, "
+        "float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvchat, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_attention", &paged_attention);
+}
