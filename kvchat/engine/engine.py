@@ -93,11 +93,11 @@ class Engine:
 
         Measured on SmolLM2-135M, one CPU thread (scripts/README.md, "Speculative decoding"): on the lean
         step ~1 + 0.03k in bf16, ~1.7 + 0.04k in fp32 (MKL's fp32 product over a few rows reads the
-        weights at about half its one-row rate); with the compiled graph ~3.3 + 0.12k, as the drafts take
+        weights at about half its one-row rate); with the compiled graph ~3.4 + 0.14k, as the drafts take
         the eager step over unpacked weights. Elsewhere (the module forward, a GPU) it is taken as bf16's.
         """
         if self._compiled is not None:
-            fixed, per_draft = 3.3, 0.12
+            fixed, per_draft = 3.4, 0.14
         elif self._decode_step is not None and self.dtype == torch.float32 and self.device.type == "cpu":
             fixed, per_draft = 1.7, 0.04
         else:
