@@ -14,7 +14,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import Sampler, SamplingParams, make_sampler
-from kvchat.engine.speculate import PromptLookup
+from kvchat.engine.speculate import PromptLookup, Speculation, paying_ngram
 from tests.tiny_models import make_tiny_model
 
 
@@ -110,6 +110,33 @@ def test_a_seeded_sampled_answer_with_drafts_is_the_same_every_run(model):
     answers = [[step.token_id for step in steps] for steps in runs]
     assert answers[0] == answers[1] == answers[2]
     assert runs[0][-1].stats.drafted_tokens > 0
+
+
+def test_the_draft_budget_weighs_verification_at_the_sequences_length(monkeypatch):
+    asked: list[int] = []
+    real_cost = Engine.verify_cost
+
+    def recording(engine, num_drafts, context=0):
+        asked.append(context)
+        return real_cost(engine, num_drafts, context)
+
+    monkeypatch.setattr(Engine, "verify_cost", recording)
+    prompt = repeating_prompt(4)
+    bf16 = make_tiny_model("llama", vocab_size=64, dtype=torch.bfloat16)  # drafts after any match
+    steps, (token_ids, *_), _ = run(bf16, prompt, Speculation("prompt-lookup", 6))
+    assert steps[-1].stats.drafted_tokens > 0
+    assert asked[0] == len(prompt)  # which match pays, decided before the first token
+    assert asked[1:] == sorted(asked[1:]) and len(prompt) < asked[-1] <= len(token_ids)
+
+
+def test_one_token_matches_stop_paying_at_long_context_in_bf16():
+    """Each draft's check reads the whole context, so drafts after a one-token match, which seldom
+    hold, pay after ~50 tokens but not after ~4,000."""
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    engine = Engine(model, kv_memory_bytes=1 << 20, block_size=16, prefill_chunk=64)
+    assert engine.decode_path.startswith("lean step")
+    assert paying_ngram(lambda k: engine.verify_cost(k, 50)) == 1
+    assert paying_ngram(lambda k: engine.verify_cost(k, 4_000)) == 2
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

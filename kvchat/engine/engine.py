@@ -87,22 +87,28 @@ class Engine:
             return path
         return f"{path}, attention by gather ({native_attention.gather_reason(self.dtype, self.device)})"
 
-    def verify_cost(self, num_drafts: int) -> float:
+    def verify_cost(self, num_drafts: int, context: int = 0) -> float:
         """What a forward over the last token and `num_drafts` drafts costs, in single-token steps of
-        this engine: what speculation's draft budget weighs a step's tokens against.
+        this engine, after `context` tokens: what speculation's draft budget weighs a step's tokens
+        against.
 
-        Measured on SmolLM2-135M, one CPU thread (scripts/README.md, "Speculative decoding"): on the lean
-        step ~1 + 0.03k in bf16, ~1.7 + 0.04k in fp32 (MKL's fp32 product over a few rows reads the
-        weights at about half its one-row rate); with the compiled graph ~3.4 + 0.14k, as the drafts take
-        the eager step over unpacked weights. Elsewhere (the module forward, a GPU) it is taken as bf16's.
-        """
+        Measured on SmolLM2-135M, one CPU thread (scripts/README.md, "Speculative decoding"), after ~50
+        tokens: on the lean step ~1 + 0.03k in bf16, ~1.7 + 0.04k in fp32 (MKL's fp32 product over a
+        few rows reads the weights at about half its one-row rate); with the compiled graph ~3.4 +
+        0.14k, as the drafts take the eager step over unpacked weights. Each draft costs more as the
+        context grows (its attention's products over every position: +0.025 a draft per 1,000 tokens in
+        bf16, +0.015 in fp32, +0.05 compiled), and under `--compile` the fixed part shrinks (-0.15 per
+        1,000), the graph's own token slowing with the context. Elsewhere (the module forward, a GPU)
+        it is taken as bf16's."""
         if self._compiled is not None:
-            fixed, per_draft = 3.4, 0.14
+            fixed, fixed_per_1k, per_draft, per_draft_per_1k = 3.4, -0.15, 0.14, 0.05
         elif self._decode_step is not None and self.dtype == torch.float32 and self.device.type == "cpu":
-            fixed, per_draft = 1.7, 0.04
+            fixed, fixed_per_1k, per_draft, per_draft_per_1k = 1.7, 0.0, 0.04, 0.015
         else:
-            fixed, per_draft = 1.0, 0.03
-        return fixed + per_draft * num_drafts
+            fixed, fixed_per_1k, per_draft, per_draft_per_1k = 1.0, 0.0, 0.03, 0.025
+        thousands = context / 1000
+        checked = max(1.0, fixed + fixed_per_1k * thousands)  # never below the token it checks with
+        return checked + (per_draft + per_draft_per_1k * thousands) * num_drafts
 
     def _warm_up(self) -> None:
         """Compile the decode graph now, on a scratch sequence, rather than at the first token."""

@@ -59,7 +59,11 @@ def generate(
     ends = _Ends(params, eos_token_ids, detokenizer)
     prompt_tokens, reused = seq.num_tokens, seq.num_computed
     seen = _Seen(seq.token_ids, engine.device) if params.repetition_penalty != 1.0 else None
-    vocab_size, cost = engine.model.config.vocab_size, engine.verify_cost
+    vocab_size = engine.model.config.vocab_size
+
+    def cost(num_drafts: int) -> float:  # at the sequence's length when asked
+        return engine.verify_cost(num_drafts, seq.num_tokens)
+
     drafter = speculation.make_drafter(vocab_size, cost) if speculation else None
     budget = DraftBudget(speculation.draft_max, cost) if speculation and drafter else None
     t0 = time.perf_counter()
