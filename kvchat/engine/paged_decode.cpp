@@ -187,7 +187,7 @@ void mix_rows(const float* probs, int64_t stride, int64_t G, const T* const* row
   }
 }
 
-// Head sizes that are no multiple of kLanes, element by element.
+// Head sizes without a vector path (see `vectorized`), element by element.
 template <typename T>
 void scores_any(const float* q, int64_t G, int64_t D, const T* const* rows, int64_t count, float* scores,
                 int64_t stride) {
