@@ -8,8 +8,8 @@ it lies in the pool, in fp32: ~7 and ~160-190 us.
 
 It is built at first use with the machine's C++ compiler (`torch.utils.cpp_extension`, ~10 s) for this
 CPU (`-march=native`), and cached by torch under a name that carries the CPU's features, so a cache
-shared between machines never serves one CPU another's build. Where it cannot be built the graph
-gathers instead; `build_error()` says why.
+shared between machines never serves one CPU another's build. Where it cannot be built, decode
+attention gathers the K/V instead; `build_error()` says why.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ def paged_attention() -> Callable | None:
 
 
 def build_error() -> str | None:
-    """Why the op could not be built, in one line; None when it was."""
+    """Why the kernels could not be built, in one line; None when they were."""
     return _build()[1]
 
 
 def takes(pool_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the op serves a pool of this dtype on this device."""
+    """Whether the kernels serve a pool of this dtype on this device."""
     return device.type == "cpu" and pool_dtype in DTYPES
 
 
@@ -78,7 +78,7 @@ def _build() -> tuple[bool, str | None]:
                 is_python_module=False,
                 verbose=False,
             )
-    except Exception as error:  # a missing compiler or ninja, a failed build: the graph gathers instead
+    except Exception as error:  # a missing compiler or ninja, a failed build: attention gathers instead
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return False, f"{type(error).__name__}: {first_line}"
     _register_fakes()
