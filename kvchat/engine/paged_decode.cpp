@@ -187,7 +187,7 @@ void mix_rows(const float* probs, int64_t stride, int64_t G, const T* const* row
   }
 }
 
-// Head sizes without a vector path (see `vectorized`), element by element.
+// Head sizes without a vector path (see `by_head_size`), element by element.
 template <typename T>
 void scores_any(const float* q, int64_t G, int64_t D, const T* const* rows, int64_t count, float* scores,
                 int64_t stride) {
@@ -227,47 +227,56 @@ struct HeadRows {
   }
 };
 
+// Calls f with the vectors a row of D values takes, as a std::integral_constant, or with 0 where D
+// has no vector path (the rows then go element by element).
+template <typename F>
+void by_head_size(int64_t D, F&& f) {
+  switch (D) {
+    case 16: f(std::integral_constant<int, 1>{}); break;
+    case 32: f(std::integral_constant<int, 2>{}); break;
+    case 64: f(std::integral_constant<int, 4>{}); break;
+    case 128: f(std::integral_constant<int, 8>{}); break;
+    case 256: f(std::integral_constant<int, 16>{}); break;
+    default: f(std::integral_constant<int, 0>{});
+  }
+}
+
+inline bool vectorized(int64_t D) {
+  bool has_path = false;
+  by_head_size(D, [&](auto vectors) { has_path = decltype(vectors)::value > 0; });
+  return has_path;
+}
+
 // One KV head: scores (R, total) of the query rows q (R, D), already scaled.
 template <typename T>
 void head_scores(const float* q, int64_t R, int64_t D, const HeadRows<T>& heads, float* scores) {
-  const int64_t total = heads.total();
-  const T* rows[kTile];
-  for (int64_t t0 = 0; t0 < total; t0 += kTile) {
-    const int64_t count = heads.tile(t0, rows);
-    float* at = scores + t0;
-    switch (D) {
-      case 16: scores_rows<T, 1>(q, R, rows, count, at, total); break;
-      case 32: scores_rows<T, 2>(q, R, rows, count, at, total); break;
-      case 64: scores_rows<T, 4>(q, R, rows, count, at, total); break;
-      case 128: scores_rows<T, 8>(q, R, rows, count, at, total); break;
-      case 256: scores_rows<T, 16>(q, R, rows, count, at, total); break;
-      default: scores_any<T>(q, R, D, rows, count, at, total);
+  by_head_size(D, [&](auto vectors) {
+    constexpr int C = decltype(vectors)::value;
+    const int64_t total = heads.total();
+    const T* rows[kTile];
+    for (int64_t t0 = 0; t0 < total; t0 += kTile) {
+      const int64_t count = heads.tile(t0, rows);
+      if constexpr (C > 0) scores_rows<T, C>(q, R, rows, count, scores + t0, total);
+      else scores_any<T>(q, R, D, rows, count, scores + t0, total);
     }
-  }
+  });
 }
 
 // One KV head: out (R, D) = probs (R, total) times the value rows.
 template <typename T>
 void head_mix(const float* probs, int64_t R, int64_t D, const HeadRows<T>& heads, float* out) {
-  const int64_t total = heads.total();
   std::fill(out, out + R * D, 0.f);
-  const T* rows[kTile];
-  for (int64_t t0 = 0; t0 < total; t0 += kTile) {
-    const int64_t count = heads.tile(t0, rows);
-    const float* at = probs + t0;
-    switch (D) {
-      case 16: mix_rows<T, 1>(at, total, R, rows, count, out); break;
-      case 32: mix_rows<T, 2>(at, total, R, rows, count, out); break;
-      case 64: mix_rows<T, 4>(at, total, R, rows, count, out); break;
-      case 128: mix_rows<T, 8>(at, total, R, rows, count, out); break;
-      case 256: mix_rows<T, 16>(at, total, R, rows, count, out); break;
-      default: mix_any<T>(at, total, R, D, rows, count, out);
+  by_head_size(D, [&](auto vectors) {
+    constexpr int C = decltype(vectors)::value;
+    const int64_t total = heads.total();
+    const T* rows[kTile];
+    for (int64_t t0 = 0; t0 < total; t0 += kTile) {
+      const int64_t count = heads.tile(t0, rows);
+      if constexpr (C > 0) mix_rows<T, C>(probs + t0, total, R, rows, count, out);
+      else mix_any<T>(probs + t0, total, R, D, rows, count, out);
     }
-  }
+  });
 }
-
-// Head sizes with a vectorized path (the others go element by element).
-inline bool vectorized(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 128 || D == 256; }
 
 // The attention of the scaled query rows q (Hk, R, D) of `num_new` new tokens (row r is token
 // r % num_new, the last num_new positions, each seeing the positions up to its own) over one layer
