@@ -25,6 +25,15 @@ constexpr int kLanes = 16;
 typedef float floatv __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint16_t halfv __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t wordv __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef int32_t maskv __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// The lanes of a then b (0-15 a's, 16-31 b's) in the order given: Clang's builtin, or GCC's, which
+// GCC has had since 4.7 (its __builtin_shufflevector only since 12).
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, maskv{__VA_ARGS__})
+#endif
 
 constexpr int64_t kTile = 32;  // positions per pass over the query heads: their rows stay in L1
 
@@ -51,7 +60,7 @@ inline void store(float* p, floatv v) { std::memcpy(p, &v, sizeof v); }
 // query and the mixed values are kept in that order: each 32 floats as their 16 even elements, then
 // the 16 odd ones (`split_pairs`, `join_pairs`).
 template <typename T, int C>
-constexpr bool kPaired = std::is_same_v<T, c10::BFloat16> && C % 2 == 0;
+constexpr bool kPaired = std::is_same_v<T, c10::BFloat16> && C > 0 && C % 2 == 0;
 
 template <typename T, int C>
 inline void load_row(const T* row, floatv (&out)[C]) {
@@ -90,10 +99,10 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 inline float sum(floatv v) {
   // a tree of lane shuffles: 4 adds, where a lane-by-lane sum takes 15 dependent ones
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  v += SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return v[0];
 }
 
@@ -101,18 +110,18 @@ inline float sum(floatv v) {
 // the halves of two vectors laid side by side (15 adds for 16 sums, where one sum at a time takes 4).
 inline floatv sums16(floatv* v) {
   for (int i = 0; i < 8; ++i)
-    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    v[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   for (int i = 0; i < 4; ++i)
-    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    v[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           SHUFFLE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int i = 0; i < 2; ++i)
-    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  floatv sums = __builtin_shufflevector(v[0], v[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-                __builtin_shufflevector(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    v[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           SHUFFLE(v[2 * i], v[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  floatv sums = SHUFFLE(v[0], v[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                SHUFFLE(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
   // the rounds leave position t in the lane of t's bits reversed
-  return __builtin_shufflevector(sums, sums, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+  return SHUFFLE(sums, sums, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
 // A row is C vectors (head_dim = C * kLanes); NG query heads at a time, held in registers.
@@ -241,12 +250,6 @@ void by_head_size(int64_t D, F&& f) {
   }
 }
 
-inline bool vectorized(int64_t D) {
-  bool has_path = false;
-  by_head_size(D, [&](auto vectors) { has_path = decltype(vectors)::value > 0; });
-  return has_path;
-}
-
 // One KV head: scores (R, total) of the query rows q (R, D), already scaled.
 template <typename T>
 void head_scores(const float* q, int64_t R, int64_t D, const HeadRows<T>& heads, float* scores) {
@@ -293,7 +296,8 @@ void attend(at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int
                        own_row};
   };
   const int64_t total = length + (own_keys.defined() ? 1 : 0);
-  const bool paired = std::is_same_v<T, c10::BFloat16> && vectorized(D) && D % (2 * kLanes) == 0;
+  bool paired = false;  // as load_row reads the rows
+  by_head_size(D, [&](auto vectors) { paired = kPaired<T, decltype(vectors)::value>; });
   if (paired) split_pairs(q.mutable_data_ptr<float>(), q.numel());
   at::Tensor scores = at::empty({Hk, R, total}, q.options());
   float* score = scores.mutable_data_ptr<float>();
