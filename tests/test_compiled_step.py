@@ -11,11 +11,11 @@ import warnings
 import pytest
 import torch
 
-from kvchat.engine import native_attention
 from kvchat.engine.compiled_step import FP32_PAST_UP_TO, MIN_PAST, can_compile, has_cpp_compiler
 from kvchat.engine.decode_step import pack_linears_
 from kvchat.engine.engine import Engine
 from kvchat.models.quantize import quantize_model
+from kvchat.native import kernels
 from tests.tiny_models import KINDS, make_tiny_model
 
 
@@ -27,7 +27,7 @@ def compiles(test):
 @pytest.fixture
 def without_kernel(monkeypatch):
     """As where kvchat's attention kernel cannot be built: the graph gathers K/V and multiplies."""
-    monkeypatch.setattr(native_attention, "_build", lambda: (False, "not built in this test"))
+    monkeypatch.setattr(kernels, "_build", lambda: (False, "not built in this test"))
 
 
 def random_ids(n, seed=0, vocab=512):
@@ -142,9 +142,10 @@ def test_short_pasts_and_speculation_sized_blocks_take_the_eager_step():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @compiles
 def test_quantized_models_compile_and_equal_their_module_forward(mode, capfd, monkeypatch, tmp_path):
-    """int8/int4 layers go through inductor's weight-only templates instead of torch's kernels: the
-    same codes and scales, so the same logits up to the order of the bf16 sums. Autotuning between
-    the two, which an empty compile cache makes run, writes nothing to the terminal."""
+    """int8 layers go through inductor's weight-only template instead of torch's kernel, int4 ones
+    through kvchat's kernel (or inductor's template): the same codes and scales, so the same logits up
+    to the order of the sums. Autotuning, which an empty compile cache makes run, writes nothing to the
+    terminal."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     models = [make_tiny_model("qwen2") for _ in range(2)]
     for model in models:

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.engine import native_attention
 from kvchat.engine.compiled_step import has_cpp_compiler
 from kvchat.engine.decode_step import (
     MAX_LEAN_TOKENS,
@@ -25,6 +24,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.paged_attention import grouped_attention
 from kvchat.engine.sampling import SamplingParams
+from kvchat.native import kernels
 from tests.tiny_models import KINDS, make_tiny_model
 
 
@@ -117,7 +117,7 @@ def test_lean_step_equals_module_forward(kind, dtype, tol, kernel, monkeypatch):
     if kernel and not has_cpp_compiler():
         pytest.skip("the kernel is built with a C++ compiler")
     if not kernel:
-        monkeypatch.setattr(native_attention, "_build", lambda: (False, "not built in this test"))
+        monkeypatch.setattr(kernels, "_build", lambda: (False, "not built in this test"))
     prompt, steps = random_ids(37), random_ids(5, seed=2)
     lean_engine = Engine(
         make_tiny_model(kind, dtype=dtype), kv_memory_bytes=1 << 22, block_size=16, prefill_chunk=512
@@ -183,7 +183,8 @@ def test_lean_step_gives_the_same_greedy_text_on_smollm2(smollm2):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_lean_step_runs_quantized_linears_as_the_module_forward_does(mode):
     """The lean step calls the model's own linear modules, so quantized ones give the module forward's
-    logits (the same kernels on the same inputs)."""
+    logits: the same kernels on inputs that differ by fp32's rounding of the ops around them, which the
+    int8 output layer's bf16 logits may turn into a unit or two of their last place."""
     from kvchat.models.quantize import quantize_model
 
     engines = []
@@ -196,7 +197,7 @@ def test_lean_step_runs_quantized_linears_as_the_module_forward_does(mode):
     assert engines[0]._decode_step is not None
     prompt, steps = random_ids(37), random_ids(5, seed=2)
     lean, plain = (decode_logits(engine, prompt, steps) for engine in engines)
-    torch.testing.assert_close(lean, plain, atol=1e-3, rtol=0)
+    torch.testing.assert_close(lean, plain, atol=1e-3, rtol=2**-7)
     assert lean.argmax(-1).tolist() == plain.argmax(-1).tolist()
 
 

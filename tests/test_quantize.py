@@ -13,9 +13,18 @@ LAYER_KINDS = (Int8Linear, Int4Linear)
 
 
 def reference(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
-    """The quantized weight dequantized in fp32, times the bf16-rounded input the kernel sees."""
-    out = x.to(torch.bfloat16).float() @ layer.dequantized_weight().T  # (..., N)
+    """The quantized weight dequantized in fp32, times the input."""
+    out = x.float() @ layer.dequantized_weight().T  # (..., N)
     return out if layer.bias is None else out + layer.bias.float()
+
+
+def exactly_held_input(*shape: int) -> torch.Tensor:
+    """Values every kernel sees unrounded: bf16 holds them, and so does int8 with one scale per group
+    of 32 (kvchat's int4 kernel quantizes its input so): small integers times a power of two, each
+    group's largest magnitude 127."""
+    values = torch.randint(-127, 128, shape).reshape(-1, GROUP_SIZE)  # (groups, 32)
+    values[:, 0] = 127
+    return (values * 2.0**-6).reshape(shape)
 
 
 @pytest.mark.parametrize("kind", LAYER_KINDS)
@@ -24,7 +33,7 @@ def test_quantized_linear_equals_its_dequantized_matmul(kind: type, leading: tup
     torch.manual_seed(0)
     linear = nn.Linear(256, 96, bias=True)
     layer = kind.from_linear(linear)
-    x = torch.randn(*leading, 256)
+    x = exactly_held_input(*leading, 256)
     out = layer(x)
     assert out.shape == (*leading, 96) and out.dtype == torch.float32
     expected = reference(layer, x)

@@ -1,10 +1,13 @@
 """Weight-only quantization of a model's linear layers with torch's own kernels.
 
 int8: one symmetric scale per output channel (`_weight_int8pack_mm`). int4: groups of 32 inputs with
-a scale and a zero each, value = (code - 8) * scale + zero (`_weight_int4pack_mm[_for_cpu]`).
-Scales, zeros and activations are bf16: these kernels run 2-4x slower on fp32 activations, so each
-layer casts its input to bf16 and its output back. The packed layout depends on the device, so
-quantize after the model is on its device.
+a scale and a zero each, value = (code - 8) * scale + zero. On a CPU with AVX-512 VNNI, int4 layers run
+kvchat's own kernel (`kvchat::int4_linear`, kvchat/native/int4_linear.cpp): a decode token's input
+quantized to int8 per group of 32, as llama.cpp does, and each weight byte read once, at about twice
+the speed of torch's `_weight_int4pack_mm_for_cpu`, which serves other CPUs (and CUDA:
+`_weight_int4pack_mm`). Scales, zeros and torch's kernels' activations are bf16: these run 2-4x slower
+on fp32 activations, so each layer casts its input to bf16 and its output back. The packed layout
+depends on the device and the kernel, so quantize after the model is on its device.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelLoadError
+from kvchat.native import kernels
 
 QUANTIZE_MODES = ("none", "int8", "int4")
 # The aten ops each mode runs on each device type (torch >= 2.6 has the CPU int4 ones).
@@ -26,6 +30,7 @@ KERNELS = {
     ("int4", "cuda"): ("_convert_weight_to_int4pack", "_weight_int4pack_mm"),
 }
 GROUP_SIZE = 32  # inputs per int4 scale and zero, as GGUF's Q4_0/Q4_1 blocks
+TILE_ROWS = 16  # output rows per tile in kvchat's int4 layout
 KERNEL_DTYPE = torch.bfloat16
 
 # A linear's name and module in, its quantized replacement out (or None: quantize it from its weight).
@@ -71,7 +76,10 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """nn.Linear with 4-bit codes in groups of 32 inputs, each group with a bf16 scale and zero."""
+    """nn.Linear with 4-bit codes in groups of 32 inputs, each group with a bf16 scale and zero.
+
+    `kernel` says whose kernel runs it, which decides the layout of `packed` and `scales_and_zeros`:
+    "kvchat" (`_tile_int4`) or "torch" (`_pack_int4`)."""
 
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
@@ -88,9 +96,15 @@ class Int4Linear(nn.Module):
                 f"got {self.in_features} and {self.out_features}"
             )
         assert scales.shape == zeros.shape == (self.out_features, self.in_features // GROUP_SIZE)
-        pairs = torch.stack([scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)], dim=-1)  # (N, K/G, 2)
-        self.register_buffer("packed", _pack_int4(codes))
-        self.register_buffer("scales_and_zeros", pairs.transpose(0, 1).contiguous())  # (K/G, N, 2)
+        scales, zeros = scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)
+        self.kernel = "kvchat" if codes.device.type == "cpu" and kernels.int4_linear() else "torch"
+        if self.kernel == "kvchat":
+            self.register_buffer("packed", _tile_int4(codes))
+            self.register_buffer("scales_and_zeros", _tile_params(scales, zeros))
+        else:
+            pairs = torch.stack([scales, zeros], dim=-1)  # (N, K/G, 2)
+            self.register_buffer("packed", _pack_int4(codes))
+            self.register_buffer("scales_and_zeros", pairs.transpose(0, 1).contiguous())  # (K/G, N, 2)
         self.register_buffer("bias", None if bias is None else bias.detach().to(KERNEL_DTYPE))
 
     @classmethod
@@ -108,17 +122,26 @@ class Int4Linear(nn.Module):
         return cls(codes, scales, zeros, linear.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, in fp32: (N, K). Runs the kernel on an identity."""
+        """The weight the kernel multiplies by, in fp32: (N, K). torch's layout is read by running its
+        kernel on an identity."""
+        if self.kernel == "kvchat":
+            return _untile_int4(self.packed, self.scales_and_zeros)
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.packed.device)  # (K, K)
         return _int4_mm(eye, self.packed, self.scales_and_zeros).float().T.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # (M, K)
-        out = _int4_mm(flat, self.packed, self.scales_and_zeros)  # (M, N)
+        flat = x.reshape(-1, self.in_features)  # (M, K)
+        if self.kernel == "kvchat":
+            out = torch.ops.kvchat.int4_linear(flat, self.packed, self.scales_and_zeros)  # (M, N)
+        else:
+            out = _int4_mm(flat.to(KERNEL_DTYPE), self.packed, self.scales_and_zeros)
         return _finish(out, self.bias, x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP_SIZE}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP_SIZE}, "
+            f"{self.kernel}'s kernel"
+        )
 
 
 def _fp32_copy(linear: nn.Linear) -> torch.Tensor:
@@ -141,6 +164,36 @@ def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
     pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # (N, K/2)
     inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (t * 16) == 0)
     return torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
+
+
+def _tile_int4(codes: torch.Tensor) -> torch.Tensor:
+    """kvchat's layout (int4_linear.cpp): (N/16, K/32, 256) uint8, a tile of 16 rows by a group of 32
+    inputs as four 64-byte blocks; block i's byte 4r + j holds row r's code for input 4i + j in its low
+    nibble and for input 16 + 4i + j in its high one."""
+    rows, inputs = codes.shape
+    # (tile, row, group, half, i, j) for input 16 * half + 4i + j, then (tile, group, i, row, j, half)
+    split = codes.to(torch.uint8).reshape(rows // TILE_ROWS, TILE_ROWS, inputs // GROUP_SIZE, 2, 4, 4)
+    split = split.permute(0, 2, 4, 1, 5, 3)
+    packed = split[..., 0] | split[..., 1] << 4  # (tile, group, i, row, j)
+    return packed.reshape(rows // TILE_ROWS, inputs // GROUP_SIZE, -1).contiguous()
+
+
+def _tile_params(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Scales and zeros (N, K/32) each as kvchat's kernel reads them: (N/16, K/32, 2, 16)."""
+    rows, groups = scales.shape
+    both = torch.stack([scales, zeros]).reshape(2, rows // TILE_ROWS, TILE_ROWS, groups)
+    return both.permute(1, 3, 0, 2).contiguous()
+
+
+def _untile_int4(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """The weight in kvchat's layout, (N, K) in fp32: `_tile_int4` and `_tile_params` undone."""
+    tiles, groups, _ = packed.shape
+    blocks = packed.reshape(tiles, groups, 4, TILE_ROWS, 4)  # (tile, group, i, row, j)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1)  # (tile, group, i, row, j, half)
+    codes = codes.permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE_ROWS, groups * GROUP_SIZE)
+    scales, zeros = params.float().permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, groups)
+    scales, zeros = scales.repeat_interleave(GROUP_SIZE, 1), zeros.repeat_interleave(GROUP_SIZE, 1)
+    return (codes.float() - 8) * scales + zeros
 
 
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:

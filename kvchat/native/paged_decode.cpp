@@ -1,5 +1,5 @@
 // Attention over the paged K/V pool that reads each past key and value once, in place, by slot,
-// registered for CPU (built by native_attention.py):
+// registered for CPU (built by kvchat/native/kernels.py):
 //   kvchat::paged_decode_attention  one token whose K/V are not in the pool yet (the compiled graph);
 //   kvchat::paged_attention         a few new tokens whose K/V the pool holds (the lean step).
 //

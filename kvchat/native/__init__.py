@@ -1,0 +1,1 @@
+"""kvchat's C++ kernels for the CPU: attention over the paged pool and int4 linear layers."""

@@ -1,0 +1,109 @@
+"""Builds and registers kvchat's C++ kernels (`torch.ops.kvchat`):
+- paged_decode.cpp: attention over the paged pool that reads each past row once in place
+  (`paged_decode_attention`, `paged_attention`; engine/native_attention.py uses them);
+- int4_linear.cpp: int4 linear layers at the machine's read bandwidth, on CPUs with AVX-512 VNNI
+  (`int4_linear`; models/quantize.py uses it).
+
+They are built at first use with the machine's C++ compiler (`torch.utils.cpp_extension`, ~15 s) for
+this CPU (`-march=native`), and cached by torch under a name that carries the CPU's features, so a
+cache shared between machines never serves one CPU another's build. Where they cannot be built,
+attention gathers the K/V and int4 layers run torch's own kernel; `build_error()` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+from collections.abc import Callable
+from contextlib import ExitStack
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+SOURCES = ("paged_decode.cpp", "int4_linear.cpp")
+FLAGS = ["-O3", "-march=native"]
+
+
+def built() -> bool:
+    """Whether the kernels are built and registered (building them if need be)."""
+    return _build()[0]
+
+
+def build_error() -> str | None:
+    """Why the kernels could not be built, in one line; None when they were."""
+    return _build()[1]
+
+
+def int4_linear() -> Callable | None:
+    """`kvchat::int4_linear`, or None where it is not built: no compiler, or no AVX-512 VNNI."""
+    if not built():
+        return None
+    return getattr(torch.ops.kvchat, "int4_linear", None)
+
+
+@functools.cache
+def _build() -> tuple[bool, str | None]:
+    """Whether the kernels are built and registered, and if not, why."""
+    try:
+        from torch.utils import cpp_extension
+
+        _put_ninja_on_path()
+        with ExitStack() as stack:
+            folder = resources.files("kvchat.native")
+            paths = [str(stack.enter_context(resources.as_file(folder.joinpath(name)))) for name in SOURCES]
+            cpp_extension.load(
+                name=f"kvchat_kernels_{_cpu_tag()}",
+                sources=paths,
+                extra_cflags=FLAGS,
+                is_python_module=False,
+                verbose=False,
+            )
+    except Exception as error:  # a missing compiler or ninja, a failed build
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return False, f"{type(error).__name__}: {first_line}"
+    _register_fakes()
+    return True, None
+
+
+def _register_fakes() -> None:
+    """Output shapes for torch.compile's tracing."""
+
+    @torch.library.register_fake("kvchat::paged_decode_attention")
+    def _(query, own_keys, own_values, keys, values, layer, slots, scale):
+        return query.new_empty(query.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("kvchat::paged_attention")
+    def _(query, keys, values, layer, slots, num_new, scale):
+        return query.new_empty(query.shape, dtype=torch.float32)
+
+    if hasattr(torch.ops.kvchat, "int4_linear"):
+
+        @torch.library.register_fake("kvchat::int4_linear")
+        def _(x, codes, params):
+            return x.new_empty((x.shape[0], codes.shape[0] * 16), dtype=torch.float32)
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; a virtual environment that was not activated has the ninja
+    package's binary off it."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _cpu_tag() -> str:
+    """A short hash of what -march=native compiles for: the machine type and its CPU's feature flags."""
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        lines = cpuinfo.read_text().splitlines()
+        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]

@@ -1,0 +1,140 @@
+"""kvchat's int4 kernel (`kvchat::int4_linear`) against the layer's weight dequantized in float64,
+within what rounding its input to int8 twice leaves, and against torch's int4 kernel."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvchat.engine.compiled_step import has_cpp_compiler
+from kvchat.models.quantize import GROUP_SIZE, Int4Linear
+from kvchat.native import kernels
+
+
+def _cpu_has_vnni() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+
+
+pytestmark = pytest.mark.skipif(
+    not (has_cpp_compiler() and _cpu_has_vnni()), reason="the kernel is built for CPUs with AVX-512 VNNI"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    assert kernels.int4_linear() is not None, kernels.build_error()
+
+
+@dataclass
+class Weights:
+    """An int4 weight's parts in float64, each (N, K): weight = scaled_codes + offsets."""
+
+    scaled_codes: torch.Tensor  # code * scale
+    offsets: torch.Tensor  # zero - 8 * scale
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.scaled_codes + self.offsets
+
+
+def make_layer(out_features: int, in_features: int, bias: bool = False) -> tuple[Int4Linear, Weights]:
+    generator = torch.Generator().manual_seed(0)
+    groups = in_features // GROUP_SIZE
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    scales = (torch.rand(out_features, groups, generator=generator) * 0.02 + 1e-3).to(torch.bfloat16)
+    zeros = (torch.randn(out_features, groups, generator=generator) * 0.01).to(torch.bfloat16)
+    bias_values = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
+    layer = Int4Linear(codes, scales, zeros, bias_values)
+    scales64 = scales.double().repeat_interleave(GROUP_SIZE, 1)  # (N, K)
+    zeros64 = zeros.double().repeat_interleave(GROUP_SIZE, 1)
+    return layer, Weights(codes.double() * scales64, zeros64 - 8 * scales64)
+
+
+def rounding_bound(x: torch.Tensor, weights: Weights) -> torch.Tensor:
+    """How far the kernel may be from x @ W.T, (M, N): each input within 1/256 of its group's int8
+    step (the offsets take x's exact sums), plus fp32's sums."""
+    groups = x.double().reshape(x.shape[0], -1, GROUP_SIZE)  # (M, K/32, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    per_input = (step / 256).expand_as(groups).reshape(x.shape)  # (M, K)
+    return per_input @ weights.scaled_codes.abs().T + 1e-5 * x.double().abs() @ weights.weight.abs().T
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])  # passes of 4 input rows, and what is left
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_equals_the_dequantized_matmul(rows: int, dtype: torch.dtype) -> None:
+    layer, weights = make_layer(48, 128)
+    assert layer.kernel == "kvchat"
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[0, 40] = 30.0  # one large input in its group: the others are read on its scale
+    x[-1, 64:96] = 0.0  # a group of zeros: no scale to divide by
+    out = torch.ops.kvchat.int4_linear(x, layer.packed, layer.scales_and_zeros)  # (M, N)
+    assert out.dtype == torch.float32 and out.shape == (rows, 48)
+    expected = x.double() @ weights.weight.T
+    error = (out.double() - expected).abs()
+    bound = rounding_bound(x, weights)
+    assert bool((error <= bound).all()), float((error - bound).max())
+    # The residues' pass matters: the input rounded to int8 once is ~100x further off.
+    assert float(error.max()) < 0.05 * float((once_rounded(x) @ weights.weight.T - expected).abs().max())
+
+
+def once_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 with one scale per group of 32, in float64."""
+    groups = x.double().reshape(x.shape[0], -1, GROUP_SIZE)
+    step = (groups.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-30)
+    return (torch.round(groups / step) * step).reshape(x.shape)
+
+
+def test_the_layer_rounds_its_output_once_and_adds_its_bias() -> None:
+    layer, weights = make_layer(32, 64, bias=True)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).float()
+    out = layer(x)
+    assert out.shape == (2, 3, 32) and out.dtype == torch.float32
+    flat = torch.ops.kvchat.int4_linear(x.reshape(6, 64), layer.packed, layer.scales_and_zeros)
+    assert torch.equal(out, (flat + layer.bias).reshape(2, 3, 32))
+    assert torch.equal(layer(x.to(torch.bfloat16)), out.to(torch.bfloat16))
+    torch.testing.assert_close(layer.dequantized_weight().double(), weights.weight, rtol=0, atol=1e-7)
+
+
+def test_both_kernels_compute_the_same_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same codes, scales and zeros in kvchat's layout and in torch's multiply alike."""
+    ours, weights = make_layer(64, 256)
+    monkeypatch.setattr(kernels, "int4_linear", lambda: None)
+    generator = torch.Generator().manual_seed(0)  # make_layer's draws again, for torch's layout
+    codes = torch.randint(0, 16, (64, 256), generator=generator)
+    scales = (torch.rand(64, 8, generator=generator) * 0.02 + 1e-3).to(torch.bfloat16)
+    zeros = (torch.randn(64, 8, generator=generator) * 0.01).to(torch.bfloat16)
+    theirs = Int4Linear(codes, scales, zeros, None)
+    assert (ours.kernel, theirs.kernel) == ("kvchat", "torch")
+    # torch's is read through its kernel, which rounds to bf16
+    assert torch.equal(ours.dequantized_weight().to(torch.bfloat16).float(), theirs.dequantized_weight())
+    x = torch.randn(3, 256, generator=generator).to(torch.bfloat16)
+    expected = x.double() @ weights.weight.T
+    # torch's kernel rounds its output to bf16; kvchat's is within its bound of the exact product
+    close = {"rtol": 2**-7, "atol": 2**-8 * float(expected.abs().max())}
+    torch.testing.assert_close(theirs(x).double(), expected, **close)
+    torch.testing.assert_close(ours(x).double(), expected, **close)
+
+
+def test_threads_split_the_rows_without_changing_a_bit() -> None:
+    layer, _ = make_layer(256, 128)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = layer(x)
+        torch.set_num_threads(2)
+        together = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together)
+
+
+def test_the_kernel_refuses_a_weight_of_another_layout() -> None:
+    layer, _ = make_layer(32, 64)
+    with pytest.raises(RuntimeError, match="int4_linear"):
+        torch.ops.kvchat.int4_linear(torch.randn(1, 96), layer.packed, layer.scales_and_zeros)
+    with pytest.raises(RuntimeError, match="int4_linear"):
+        torch.ops.kvchat.int4_linear(torch.randn(1, 64), layer.packed.float(), layer.scales_and_zeros)
