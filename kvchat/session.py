@@ -20,6 +20,7 @@ from kvchat.errors import ConfigError, DraftModelError
 from kvchat.models.device import available_memory_bytes
 from kvchat.models.loader import LoadedModel, load_model
 from kvchat.models.progress import ProgressCallback, report
+from kvchat.native import kernels
 
 
 def open_session(settings: Settings, progress: ProgressCallback | None = None) -> ContextManager:
@@ -70,10 +71,9 @@ def make_engine(loaded: LoadedModel, settings: Settings, progress: ProgressCallb
     device = next(loaded.model.parameters()).device
     check_kv_memory(budget, asked, device)
     if native_attention.takes(loaded.dtype, device):
-        loading = "Loading kvchat's attention kernel (built at the first start on a machine, ~10 s)"
-        report(progress, loading, 0, 1)
+        report(progress, kernels.LOADING, 0, 1)
         native_attention.paged_decode_attention()
-        report(progress, loading, 1, 1)
+        report(progress, kernels.LOADING, 1, 1)
     compiling = "Compiling the decode step (torch.compile, a minute or two)"
     if settings.model.compile:
         report(progress, compiling, 0, 1)

@@ -27,6 +27,7 @@ from kvchat.models.packaged import ensure_converted, is_packaged_file, packaged_
 from kvchat.models.progress import ProgressCallback, quiet_transformers, report
 from kvchat.models.quantize import QuantizeReport, quantize_model
 from kvchat.models.sources import ModelSource, resolve_model
+from kvchat.native import kernels
 
 __all__ = [
     "LoadedModel",
@@ -65,6 +66,10 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     apply_threads(settings.threads)
     folder = _converted_folder(source, progress)
     dtype = choose_dtype(settings.dtype, device)
+    if settings.quantize == "int4" and device.type == "cpu":
+        report(progress, kernels.LOADING, 0, 1)
+        kernels.built()  # int4 layers take kvchat's layout where its kernel is built
+        report(progress, kernels.LOADING, 1, 1)
     description = f"loading {source.model_id}"
     report(progress, description, 0, 1)
     with quiet_transformers():

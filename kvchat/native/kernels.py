@@ -26,6 +26,7 @@ import torch
 
 SOURCES = ("paged_decode.cpp", "int4_linear.cpp")
 FLAGS = ["-O3", "-march=native"]
+LOADING = "Loading kvchat's kernels (built at the first start on a machine, ~15 s)"  # for progress
 
 
 def built() -> bool:
