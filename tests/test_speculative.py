@@ -139,6 +139,21 @@ def test_one_token_matches_stop_paying_at_long_context_in_bf16():
     assert paying_ngram(lambda k: engine.verify_cost(k, 4_000)) == 2
 
 
+def test_int4_layers_on_kvchats_kernel_make_drafts_dearer():
+    """kvchat's int4 kernel reads one row's weights at the bandwidth but pays integer products for
+    each further row, so a draft costs ~0.19 of a token there against bf16's ~0.03: only matches of
+    three tokens pay."""
+    from kvchat.models.quantize import quantize_model
+
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    quantize_model(model, "int4")
+    if not any(getattr(module, "kernel", None) == "kvchat" for module in model.modules()):
+        pytest.skip("kvchat's int4 kernel is not built on this machine")
+    engine = Engine(model, kv_memory_bytes=1 << 20, block_size=16, prefill_chunk=64)
+    assert engine.verify_cost(4, 50) == pytest.approx(1 + 4 * (0.19 + 0.05 * 0.035))
+    assert paying_ngram(lambda k: engine.verify_cost(k, 50)) == 3
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_prompt_lookup_greedy_equals_plain(kind):
     model = varied_model(kind, seed=1)

@@ -17,6 +17,7 @@ from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compil
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step, pack_linears_
 from kvchat.engine.paged_attention import ForwardCache, KVPool, PagedKV, cache_argument, position_slots
 from kvchat.errors import CacheFullError
+from kvchat.models.quantize import Int4Linear
 
 
 def kv_shape(config) -> tuple[int, int, int]:
@@ -25,6 +26,17 @@ def kv_shape(config) -> tuple[int, int, int]:
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return config.num_hidden_layers, num_kv_heads, head_dim
+
+
+# verify_cost's terms, in single-token steps: fixed, its change per 1,000 tokens of context, per draft,
+# and its change per 1,000 tokens (SmolLM2, one thread; scripts/README.md, "Speculative decoding")
+VERIFY_COSTS = {
+    "lean": (1.0, 0.0, 0.03, 0.025),
+    "lean-fp32": (1.7, 0.0, 0.04, 0.015),
+    "lean-int4": (1.0, 0.0, 0.19, 0.035),
+    "compiled": (3.4, -0.15, 0.14, 0.05),
+    "compiled-int4": (2.0, -0.05, 0.40, 0.03),
+}
 
 
 class Engine:
@@ -68,6 +80,8 @@ class Engine:
         self._compiled = CompiledDecodeStep(model, self.pool) if compile_decode else None
         if self._compiled is not None:
             self._warm_up()
+        # kvchat's int4 kernel: a step's extra rows cost more of a token than bf16's (verify_cost)
+        self._int4_kernel = any(isinstance(m, Int4Linear) and m.kernel == "kvchat" for m in model.modules())
 
     @property
     def compiled(self) -> bool:
@@ -95,17 +109,20 @@ class Engine:
         Measured on SmolLM2-135M, one CPU thread (scripts/README.md, "Speculative decoding"), after ~50
         tokens: on the lean step ~1 + 0.03k in bf16, ~1.7 + 0.04k in fp32 (MKL's fp32 product over a
         few rows reads the weights at about half its one-row rate); with the compiled graph ~3.4 +
-        0.14k, as the drafts take the eager step over unpacked weights. Each draft costs more as the
-        context grows (its attention's products over every position: +0.025 a draft per 1,000 tokens in
-        bf16, +0.015 in fp32, +0.05 compiled), and under `--compile` the fixed part shrinks (-0.15 per
-        1,000), the graph's own token slowing with the context. Elsewhere (the module forward, a GPU)
-        it is taken as bf16's."""
+        0.14k, as the drafts take the eager step over unpacked weights. kvchat's int4 kernel reads its
+        weights at the machine's bandwidth for one row, but each further row costs it integer products:
+        ~1 + 0.19k on the lean step, ~2 + 0.4k compiled. Each draft costs more as the context grows (its
+        attention over every position: +0.015-0.05 a draft per 1,000 tokens), and under `--compile` the
+        fixed part shrinks, the graph's own token slowing with the context. Elsewhere (the module
+        forward, a GPU) it is taken as bf16's."""
+        lean_fp32 = self.dtype == torch.float32 and self.device.type == "cpu"
         if self._compiled is not None:
-            fixed, fixed_per_1k, per_draft, per_draft_per_1k = 3.4, -0.15, 0.14, 0.05
-        elif self._decode_step is not None and self.dtype == torch.float32 and self.device.type == "cpu":
-            fixed, fixed_per_1k, per_draft, per_draft_per_1k = 1.7, 0.0, 0.04, 0.015
+            costs = VERIFY_COSTS["compiled-int4" if self._int4_kernel else "compiled"]
+        elif self._decode_step is not None and (self._int4_kernel or lean_fp32):
+            costs = VERIFY_COSTS["lean-int4" if self._int4_kernel else "lean-fp32"]
         else:
-            fixed, fixed_per_1k, per_draft, per_draft_per_1k = 1.0, 0.0, 0.03, 0.025
+            costs = VERIFY_COSTS["lean"]
+        fixed, fixed_per_1k, per_draft, per_draft_per_1k = costs
         thousands = context / 1000
         checked = max(1.0, fixed + fixed_per_1k * thousands)  # never below the token it checks with
         return checked + (per_draft + per_draft_per_1k * thousands) * num_drafts

@@ -1,13 +1,14 @@
-"""Weight-only quantization of a model's linear layers with torch's own kernels.
+"""Weight-only quantization of a model's linear layers: torch's kernels, and kvchat's for int4.
 
 int8: one symmetric scale per output channel (`_weight_int8pack_mm`). int4: groups of 32 inputs with
 a scale and a zero each, value = (code - 8) * scale + zero. On a CPU with AVX-512 VNNI, int4 layers run
-kvchat's own kernel (`kvchat::int4_linear`, kvchat/native/int4_linear.cpp): a decode token's input
-quantized to int8 per group of 32, as llama.cpp does, and each weight byte read once, at about twice
-the speed of torch's `_weight_int4pack_mm_for_cpu`, which serves other CPUs (and CUDA:
-`_weight_int4pack_mm`). Scales, zeros and torch's kernels' activations are bf16: these run 2-4x slower
-on fp32 activations, so each layer casts its input to bf16 and its output back. The packed layout
-depends on the device and the kernel, so quantize after the model is on its device.
+kvchat's own kernel (`kvchat::int4_linear`, kvchat/native/int4_linear.cpp): the input rounded to int8
+per group of 32 twice (the value, then what that leaves, so within 1/65,000 of the group's largest),
+integer dot products against the 4-bit codes, each weight byte read once, at about twice the speed of
+torch's `_weight_int4pack_mm_for_cpu`, which serves other CPUs (and CUDA: `_weight_int4pack_mm`).
+Scales, zeros and torch's kernels' activations are bf16: these run 2-4x slower on fp32 activations, so
+each layer casts its input to bf16 and its output back. The packed layout depends on the device and the
+kernel, so quantize after the model is on its device.
 """
 
 from __future__ import annotations
