@@ -153,16 +153,23 @@ def speed(args: argparse.Namespace) -> None:
 
 @torch.inference_mode()
 def kernels(args: argparse.Namespace) -> None:
-    """One bf16 token through each of Qwen2.5-3B's linear shapes: F.linear against the int8/int4 kernels."""
+    """One bf16 token through each of Qwen2.5-3B's linear shapes: F.linear against the int8 kernel and
+    both int4 ones (torch's, kvchat's)."""
     shapes = (("q, o", 2048, 2048), ("k, v", 2048, 256), ("gate, up", 2048, 11008), ("down", 11008, 2048),
               ("head", 2048, 151936))  # fmt: skip
     print(f"1 thread, one token (M = 1), {args.repeats} interleaved rounds; median ms and speed-up over bf16")
-    print("| layer | in x out | bf16 ms | bf16 GB/s | int8 ms | int8 vs bf16 | int4 ms | int4 vs bf16 |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    quantized_kinds = ("int8", "int4 torch", "int4 kvchat")
+    print(
+        "| layer | in x out | bf16 ms | bf16 GB/s | "
+        + " | ".join(f"{k} ms | vs bf16" for k in quantized_kinds)
+        + " |"
+    )
+    print("|---|---|---:|---:|" + "---:|---:|" * len(quantized_kinds))
     for name, in_features, out_features in shapes:
         linear = nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
         layers = {"bf16": linear, "int8": Int8Linear.from_linear(linear)}
-        layers["int4"] = Int4Linear.from_linear(linear)
+        layers["int4 torch"] = Int4Linear.from_linear(linear, "torch")
+        layers["int4 kvchat"] = Int4Linear.from_linear(linear, "kvchat")
         x = torch.randn(1, in_features, dtype=torch.bfloat16)  # (1, K)
         calls = max(1, int(2e8 // linear.weight.nbytes))
         times: dict[str, list[float]] = {kind: [] for kind in layers}
@@ -174,7 +181,7 @@ def kernels(args: argparse.Namespace) -> None:
                 times[kind].append((time.perf_counter() - start) / calls)
         ms = {kind: statistics.median(t) * 1e3 for kind, t in times.items()}
         rate = linear.weight.nbytes / ms["bf16"] / 1e6
-        quantized = " | ".join(f"{ms[kind]:.2f} | {ms['bf16'] / ms[kind]:.2f}x" for kind in ("int8", "int4"))
+        quantized = " | ".join(f"{ms[kind]:.2f} | {ms['bf16'] / ms[kind]:.2f}x" for kind in quantized_kinds)
         print(f"| {name} | {in_features} x {out_features} | {ms['bf16']:.2f} | {rate:.1f} | {quantized} |")
 
 

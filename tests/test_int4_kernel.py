@@ -98,24 +98,26 @@ def test_the_layer_rounds_its_output_once_and_adds_its_bias() -> None:
     torch.testing.assert_close(layer.dequantized_weight().double(), weights.weight, rtol=0, atol=1e-7)
 
 
-def test_both_kernels_compute_the_same_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_both_kernels_compute_the_same_layer() -> None:
     """The same codes, scales and zeros in kvchat's layout and in torch's multiply alike."""
-    ours, weights = make_layer(64, 256)
-    monkeypatch.setattr(kernels, "int4_linear", lambda: None)
-    generator = torch.Generator().manual_seed(0)  # make_layer's draws again, for torch's layout
-    codes = torch.randint(0, 16, (64, 256), generator=generator)
-    scales = (torch.rand(64, 8, generator=generator) * 0.02 + 1e-3).to(torch.bfloat16)
-    zeros = (torch.randn(64, 8, generator=generator) * 0.01).to(torch.bfloat16)
-    theirs = Int4Linear(codes, scales, zeros, None)
-    assert (ours.kernel, theirs.kernel) == ("kvchat", "torch")
+    linear = torch.nn.Linear(256, 64, bias=False)
+    ours, theirs = (Int4Linear.from_linear(linear, kernel) for kernel in ("kvchat", "torch"))
     # torch's is read through its kernel, which rounds to bf16
     assert torch.equal(ours.dequantized_weight().to(torch.bfloat16).float(), theirs.dequantized_weight())
-    x = torch.randn(3, 256, generator=generator).to(torch.bfloat16)
-    expected = x.double() @ weights.weight.T
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    expected = x.double() @ ours.dequantized_weight().double().T
     # torch's kernel rounds its output to bf16; kvchat's is within its bound of the exact product
     close = {"rtol": 2**-7, "atol": 2**-8 * float(expected.abs().max())}
     torch.testing.assert_close(theirs(x).double(), expected, **close)
     torch.testing.assert_close(ours(x).double(), expected, **close)
+
+
+def test_asking_for_kvchats_kernel_where_it_is_not_built_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "int4_linear", lambda: None)
+    linear = torch.nn.Linear(64, 32)
+    assert Int4Linear.from_linear(linear).kernel == "torch"
+    with pytest.raises(ValueError, match="not built"):
+        Int4Linear.from_linear(linear, "kvchat")
 
 
 def test_threads_split_the_rows_without_changing_a_bit() -> None:

@@ -35,7 +35,7 @@ VERIFY_COSTS = {
     "lean-fp32": (1.7, 0.0, 0.04, 0.015),
     "lean-int4": (1.0, 0.0, 0.19, 0.035),
     "compiled": (3.4, -0.15, 0.14, 0.05),
-    "compiled-int4": (2.0, -0.05, 0.40, 0.03),
+    "compiled-int4": (1.6, -0.1, 0.42, 0.025),
 }
 
 
@@ -111,7 +111,7 @@ class Engine:
         few rows reads the weights at about half its one-row rate); with the compiled graph ~3.4 +
         0.14k, as the drafts take the eager step over unpacked weights. kvchat's int4 kernel reads its
         weights at the machine's bandwidth for one row, but each further row costs it integer products:
-        ~1 + 0.19k on the lean step, ~2 + 0.4k compiled. Each draft costs more as the context grows (its
+        ~1 + 0.19k on the lean step, ~1.6 + 0.42k compiled. Each draft costs more as the context grows (its
         attention over every position: +0.015-0.05 a draft per 1,000 tokens), and under `--compile` the
         fixed part shrinks, the graph's own token slowing with the context. Elsewhere (the module
         forward, a GPU) it is taken as bf16's."""

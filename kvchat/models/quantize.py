@@ -80,14 +80,20 @@ class Int4Linear(nn.Module):
     """nn.Linear with 4-bit codes in groups of 32 inputs, each group with a bf16 scale and zero.
 
     `kernel` says whose kernel runs it, which decides the layout of `packed` and `scales_and_zeros`:
-    "kvchat" (`_tile_int4`) or "torch" (`_pack_int4`)."""
+    "kvchat" (`_tile_int4`) or "torch" (`_pack_int4`). By default kvchat's where it is built for this
+    device, else torch's; asking for kvchat's where it is not built is an error."""
 
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
     bias: torch.Tensor | None
 
     def __init__(
-        self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernel: str | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape  # codes: (N, K) in 0..15
@@ -98,7 +104,12 @@ class Int4Linear(nn.Module):
             )
         assert scales.shape == zeros.shape == (self.out_features, self.in_features // GROUP_SIZE)
         scales, zeros = scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)
-        self.kernel = "kvchat" if codes.device.type == "cpu" and kernels.int4_linear() else "torch"
+        ours = codes.device.type == "cpu" and kernels.int4_linear() is not None
+        if kernel == "kvchat" and not ours:
+            raise ValueError(
+                f"kvchat's int4 kernel is not built here ({kernels.build_error() or 'no AVX-512 VNNI'})"
+            )
+        self.kernel = kernel or ("kvchat" if ours else "torch")
         if self.kernel == "kvchat":
             self.register_buffer("packed", _tile_int4(codes))
             self.register_buffer("scales_and_zeros", _tile_params(scales, zeros))
@@ -109,7 +120,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(KERNEL_DTYPE))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int4Linear:
+    def from_linear(cls, linear: nn.Linear, kernel: str | None = None) -> Int4Linear:
         out_features, in_features = linear.weight.shape
         if in_features % GROUP_SIZE:
             raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE}, got {in_features}")
@@ -120,7 +131,7 @@ class Int4Linear(nn.Module):
         zeros = (low + 8 * scales.float()).to(KERNEL_DTYPE)
         codes = groups.sub_(zeros.float()[..., None]).div_(scales.float()[..., None]).add_(8)
         codes = codes.round_().clamp_(0, 15).reshape(out_features, in_features)
-        return cls(codes, scales, zeros, linear.bias)
+        return cls(codes, scales, zeros, linear.bias, kernel)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by, in fp32: (N, K). torch's layout is read by running its
