@@ -153,12 +153,12 @@ def speed(args: argparse.Namespace) -> None:
 
 @torch.inference_mode()
 def kernels(args: argparse.Namespace) -> None:
-    """One bf16 token through each of Qwen2.5-3B's linear shapes: F.linear against the int8 kernel and
-    both int4 ones (torch's, kvchat's)."""
+    """One bf16 token through each of Qwen2.5-3B's linear shapes: F.linear against torch's and kvchat's
+    int8 and int4 kernels."""
     shapes = (("q, o", 2048, 2048), ("k, v", 2048, 256), ("gate, up", 2048, 11008), ("down", 11008, 2048),
               ("head", 2048, 151936))  # fmt: skip
     print(f"1 thread, one token (M = 1), {args.repeats} interleaved rounds; median ms and speed-up over bf16")
-    quantized_kinds = ("int8", "int4 torch", "int4 kvchat")
+    quantized_kinds = ("int8 torch", "int8 kvchat", "int4 torch", "int4 kvchat")
     print(
         "| layer | in x out | bf16 ms | bf16 GB/s | "
         + " | ".join(f"{k} ms | vs bf16" for k in quantized_kinds)
@@ -167,7 +167,9 @@ def kernels(args: argparse.Namespace) -> None:
     print("|---|---|---:|---:|" + "---:|---:|" * len(quantized_kinds))
     for name, in_features, out_features in shapes:
         linear = nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
-        layers = {"bf16": linear, "int8": Int8Linear.from_linear(linear)}
+        layers: dict[str, nn.Module] = {"bf16": linear}
+        layers["int8 torch"] = Int8Linear.from_linear(linear, "torch")
+        layers["int8 kvchat"] = Int8Linear.from_linear(linear, "kvchat")
         layers["int4 torch"] = Int4Linear.from_linear(linear, "torch")
         layers["int4 kvchat"] = Int4Linear.from_linear(linear, "kvchat")
         x = torch.randn(1, in_features, dtype=torch.bfloat16)  # (1, K)

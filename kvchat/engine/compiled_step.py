@@ -3,11 +3,11 @@
 The eager lean step spends about half a token of a small model in per-op dispatch, and its packed
 linears read weights at ~10 GB/s. Compiled with frozen weights, inductor fuses the small ops into
 generated C++ and runs each linear through its own GEMV template over weights it packs once (~25 GB/s
-here); int8 layers (`--quantize`) go through its weight-only template the same way, and int4 ones run
-kvchat's own kernel in the graph (models/quantize.py), or inductor's template where that is not built.
+here); int8 and int4 layers (`--quantize`) run kvchat's own kernels in the graph (models/quantize.py),
+or inductor's weight-only templates where those are not built.
 A token takes a third to a half of the time. The price: compiling takes a minute or two at load, and
-bf16, fp32 and int8 weights are packed into a second copy (prefill and speculation's few tokens keep
-the model's own; int4 ones are read in place).
+bf16 and fp32 weights are packed into a second copy (prefill and speculation's few tokens keep the
+model's own; quantized ones on kvchat's kernels are read in place).
 
 The graph reads the K/V of earlier positions from the pool by slot (one dynamic length, so one
 compile serves every context) and returns the token's new K/V, which the caller writes once. Its

@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from kvchat.engine import native_attention
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, Sequence, chain_hash
@@ -17,7 +18,7 @@ from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compil
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step, pack_linears_
 from kvchat.engine.paged_attention import ForwardCache, KVPool, PagedKV, cache_argument, position_slots
 from kvchat.errors import CacheFullError
-from kvchat.models.quantize import Int4Linear
+from kvchat.models.quantize import Int4Linear, Int8Linear
 
 
 def kv_shape(config) -> tuple[int, int, int]:
@@ -33,10 +34,19 @@ def kv_shape(config) -> tuple[int, int, int]:
 VERIFY_COSTS = {
     "lean": (1.0, 0.0, 0.03, 0.025),
     "lean-fp32": (1.7, 0.0, 0.04, 0.015),
-    "lean-int4": (1.0, 0.0, 0.19, 0.035),
+    "lean-int4": (1.0, 0.0, 0.16, 0.04),
+    "lean-int8": (1.0, 0.0, 0.13, 0.04),
     "compiled": (3.4, -0.15, 0.14, 0.05),
     "compiled-int4": (1.6, -0.1, 0.42, 0.025),
 }
+
+
+def quantized_kernel(model: nn.Module) -> str | None:
+    """ "int4" or "int8" where the model's decoder layers run kvchat's int4 or int8 kernel, else None."""
+    kinds = {
+        type(m) for m in model.modules() if isinstance(m, Int4Linear | Int8Linear) and m.kernel == "kvchat"
+    }
+    return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else None
 
 
 class Engine:
@@ -80,8 +90,8 @@ class Engine:
         self._compiled = CompiledDecodeStep(model, self.pool) if compile_decode else None
         if self._compiled is not None:
             self._warm_up()
-        # kvchat's int4 kernel: a step's extra rows cost more of a token than bf16's (verify_cost)
-        self._int4_kernel = any(isinstance(m, Int4Linear) and m.kernel == "kvchat" for m in model.modules())
+        # kvchat's quantized kernels: a step's extra rows cost more of a token than bf16's (verify_cost)
+        self._quantized = quantized_kernel(model)
 
     @property
     def compiled(self) -> bool:
@@ -109,17 +119,19 @@ class Engine:
         Measured on SmolLM2-135M, one CPU thread (scripts/README.md, "Speculative decoding"), after ~50
         tokens: on the lean step ~1 + 0.03k in bf16, ~1.7 + 0.04k in fp32 (MKL's fp32 product over a
         few rows reads the weights at about half its one-row rate); with the compiled graph ~3.4 +
-        0.14k, as the drafts take the eager step over unpacked weights. kvchat's int4 kernel reads its
-        weights at the machine's bandwidth for one row, but each further row costs it integer products:
-        ~1 + 0.19k on the lean step, ~1.6 + 0.42k compiled. Each draft costs more as the context grows (its
-        attention over every position: +0.015-0.05 a draft per 1,000 tokens), and under `--compile` the
-        fixed part shrinks, the graph's own token slowing with the context. Elsewhere (the module
-        forward, a GPU) it is taken as bf16's."""
-        lean_fp32 = self.dtype == torch.float32 and self.device.type == "cpu"
+        0.14k, as the drafts take the eager step over unpacked weights. kvchat's int4 and int8
+        kernels read their weights at the machine's bandwidth for one row, but each further row costs
+        them integer products: ~1 + 0.16k (int4) and ~1 + 0.13k (int8) on the lean step, ~1.6 + 0.42k
+        for int4 compiled (int8 layers compile to inductor's template: bf16's figure). Each draft
+        costs more as the context grows (its attention over every position: +0.015-0.05 a draft per
+        1,000 tokens), and under `--compile` the fixed part shrinks, the graph's own token slowing with
+        the context. Elsewhere (the module forward, a GPU) it is taken as bf16's."""
         if self._compiled is not None:
-            costs = VERIFY_COSTS["compiled-int4" if self._int4_kernel else "compiled"]
-        elif self._decode_step is not None and (self._int4_kernel or lean_fp32):
-            costs = VERIFY_COSTS["lean-int4" if self._int4_kernel else "lean-fp32"]
+            costs = VERIFY_COSTS["compiled" + (f"-{self._quantized}" if self._quantized else "")]
+        elif self._decode_step is not None and self._quantized:
+            costs = VERIFY_COSTS[f"lean-{self._quantized}"]
+        elif self._decode_step is not None and self.dtype == torch.float32 and self.device.type == "cpu":
+            costs = VERIFY_COSTS["lean-fp32"]
         else:
             costs = VERIFY_COSTS["lean"]
         fixed, fixed_per_1k, per_draft, per_draft_per_1k = costs

@@ -25,7 +25,7 @@ from kvchat.models.gguf import ensure_gguf_converted
 from kvchat.models.gguf_quant import GGUFInt4Layers
 from kvchat.models.packaged import ensure_converted, is_packaged_file, packaged_gguf
 from kvchat.models.progress import ProgressCallback, quiet_transformers, report
-from kvchat.models.quantize import QuantizeReport, quantize_model
+from kvchat.models.quantize import QuantizeReport, int8_kernel_for, quantize_model
 from kvchat.models.sources import ModelSource, resolve_model
 from kvchat.native import kernels
 
@@ -66,9 +66,9 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     apply_threads(settings.threads)
     folder = _converted_folder(source, progress)
     dtype = choose_dtype(settings.dtype, device)
-    if settings.quantize == "int4" and device.type == "cpu":
+    if settings.quantize != "none" and device.type == "cpu":
         report(progress, kernels.LOADING, 0, 1)
-        kernels.built()  # int4 layers take kvchat's layout where its kernel is built
+        kernels.built()  # quantized layers take kvchat's layout where its kernels are built
         report(progress, kernels.LOADING, 1, 1)
     description = f"loading {source.model_id}"
     report(progress, description, 0, 1)
@@ -84,7 +84,7 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
-    quantization = apply_quantize(model, settings.quantize, source, folder)
+    quantization = apply_quantize(model, settings.quantize, source, folder, settings.compile)
     eos_ids = eos_token_ids(model, tokenizer)
     if not eos_ids:
         raise ModelLoadError(f"{source.model_id} names no end-of-sequence token; replies would never end")
@@ -112,9 +112,14 @@ def _converted_folder(source: ModelSource, progress: ProgressCallback | None) ->
 
 
 def apply_quantize(
-    model: PreTrainedModel, mode: str, source: ModelSource, converted: Path | None
+    model: PreTrainedModel,
+    mode: str,
+    source: ModelSource,
+    converted: Path | None,
+    compile_decode: bool = False,
 ) -> QuantizeReport | None:
-    """Quantize the linear layers in place; int4 keeps a Q4_0/Q4_1 GGUF's own 4-bit values."""
+    """Quantize the linear layers in place; int4 keeps a Q4_0/Q4_1 GGUF's own 4-bit values, and int8
+    layers run the kernel that serves `compile_decode` best."""
     if mode == "none":
         return None
     from_file = None
@@ -129,7 +134,7 @@ def apply_quantize(
             config.num_hidden_layers,
         )
     with torch.no_grad():
-        return quantize_model(model, mode, from_file=from_file)
+        return quantize_model(model, mode, from_file=from_file, int8_kernel=int8_kernel_for(compile_decode))
 
 
 def quantization_tag(report: QuantizeReport | None) -> str:

@@ -1,14 +1,14 @@
-"""Weight-only quantization of a model's linear layers: torch's kernels, and kvchat's for int4.
+"""Weight-only quantization of a model's linear layers, through kvchat's kernels or torch's.
 
-int8: one symmetric scale per output channel (`_weight_int8pack_mm`). int4: groups of 32 inputs with
-a scale and a zero each, value = (code - 8) * scale + zero. On a CPU with AVX-512 VNNI, int4 layers run
-kvchat's own kernel (`kvchat::int4_linear`, kvchat/native/int4_linear.cpp): the input rounded to int8
-per group of 32 twice (the value, then what that leaves, so within 1/65,000 of the group's largest),
-integer dot products against the 4-bit codes, each weight byte read once, at about twice the speed of
-torch's `_weight_int4pack_mm_for_cpu`, which serves other CPUs (and CUDA: `_weight_int4pack_mm`).
-Scales, zeros and torch's kernels' activations are bf16: these run 2-4x slower on fp32 activations, so
-each layer casts its input to bf16 and its output back. The packed layout depends on the device and the
-kernel, so quantize after the model is on its device.
+int8: one symmetric scale per output channel. int4: groups of 32 inputs with a scale and a zero each,
+value = (code - 8) * scale + zero. On a CPU with AVX-512 VNNI, both run kvchat's own kernels
+(`kvchat::int8_linear`, `kvchat::int4_linear`, kvchat/native/quantized_linear.cpp): the input rounded
+to int8 per group of 32 twice (the value, then what that leaves, so within 1/65,000 of the group's
+largest), integer dot products against the codes, each weight byte read once, at about twice the speed
+of torch's kernels, which serve other CPUs and CUDA (`_weight_int8pack_mm`,
+`_weight_int4pack_mm[_for_cpu]`). Scales, zeros and torch's kernels' activations are bf16: these run
+2-4x slower on fp32 activations, so each layer casts its input to bf16 and its output back. The packed
+layout depends on the device and the kernel, so quantize after the model is on its device.
 """
 
 from __future__ import annotations
@@ -39,49 +39,63 @@ LayerSource = Callable[[str, nn.Linear], nn.Module | None]
 
 
 class Int8Linear(nn.Module):
-    """nn.Linear with int8 weights and one bf16 scale per output channel."""
+    """nn.Linear with int8 weights and one bf16 scale per output channel.
+
+    `kernel` says whose kernel runs it, which decides the layout of `codes`: "kvchat" (`_tile_int8`)
+    or "torch" ((N, K) int8). By default kvchat's where it is built for this device and takes the
+    shape, else torch's; asking for kvchat's where it cannot run is an error."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
         if self.in_features % 16:
             # _weight_int8pack_mm reads past the row when K is not a multiple of 16 (a crash, seen).
             raise ValueError(f"int8 needs in_features divisible by 16, got {self.in_features}")
-        self.register_buffer("codes", codes.to(torch.int8).contiguous())  # (N, K)
+        self.kernel = _choose_kernel(kernel, kernels.int8_linear, codes)
+        codes = codes.to(torch.int8)
+        self.register_buffer("codes", _tile_int8(codes) if self.kernel == "kvchat" else codes.contiguous())
         self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())  # (N,)
         self.register_buffer("bias", None if bias is None else bias.detach().to(KERNEL_DTYPE))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, kernel: str | None = None) -> Int8Linear:
         weight = _fp32_copy(linear)  # (N, K)
         absmax = weight.abs().amax(dim=1).clamp(min=1e-8)
         scales = (absmax / 127).to(KERNEL_DTYPE)  # the kernel sees the rounded scale: quantize with it
         codes = weight.div_(scales.float()[:, None]).round_().clamp_(-128, 127)
-        return cls(codes, scales, linear.bias)
+        return cls(codes, scales, linear.bias, kernel)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by, in fp32: (N, K)."""
-        return self.codes.float() * self.scales.float()[:, None]
+        codes = _untile_int8(self.codes) if self.kernel == "kvchat" else self.codes
+        return codes.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # (M, K)
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scales)  # (M, N)
+        flat = x.reshape(-1, self.in_features)  # (M, K)
+        if self.kernel == "kvchat":
+            out = torch.ops.kvchat.int8_linear(flat, self.codes, self.scales)  # (M, N)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat.to(KERNEL_DTYPE), self.codes, self.scales)
         return _finish(out, self.bias, x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, "
+            f"{self.kernel}'s kernel"
+        )
 
 
 class Int4Linear(nn.Module):
     """nn.Linear with 4-bit codes in groups of 32 inputs, each group with a bf16 scale and zero.
 
     `kernel` says whose kernel runs it, which decides the layout of `packed` and `scales_and_zeros`:
-    "kvchat" (`_tile_int4`) or "torch" (`_pack_int4`). By default kvchat's where it is built for this
-    device, else torch's; asking for kvchat's where it is not built is an error."""
+    "kvchat" (`_tile_int4`) or "torch" (`_pack_int4`), chosen as for Int8Linear."""
 
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
@@ -104,12 +118,7 @@ class Int4Linear(nn.Module):
             )
         assert scales.shape == zeros.shape == (self.out_features, self.in_features // GROUP_SIZE)
         scales, zeros = scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)
-        ours = codes.device.type == "cpu" and kernels.int4_linear() is not None
-        if kernel == "kvchat" and not ours:
-            raise ValueError(
-                f"kvchat's int4 kernel is not built here ({kernels.build_error() or 'no AVX-512 VNNI'})"
-            )
-        self.kernel = kernel or ("kvchat" if ours else "torch")
+        self.kernel = _choose_kernel(kernel, kernels.int4_linear, codes)
         if self.kernel == "kvchat":
             self.register_buffer("packed", _tile_int4(codes))
             self.register_buffer("scales_and_zeros", _tile_params(scales, zeros))
@@ -156,6 +165,23 @@ class Int4Linear(nn.Module):
         )
 
 
+def _choose_kernel(asked: str | None, ours: Callable[[], Callable | None], codes: torch.Tensor) -> str:
+    """kvchat's kernel where `ours()` is built, the device is a CPU and the shape fits its tiles (16
+    rows by 32 inputs); else torch's. Asking for kvchat's where it cannot run raises ValueError."""
+    rows, inputs = codes.shape
+    fits = codes.device.type == "cpu" and rows % TILE_ROWS == 0 and inputs % GROUP_SIZE == 0
+    if asked not in (None, "kvchat", "torch"):
+        raise ValueError(f"kernel must be kvchat or torch, got {asked!r}")
+    if asked == "kvchat" and not (fits and ours() is not None):
+        why = (
+            kernels.build_error() or "no AVX-512 VNNI"
+            if fits
+            else f"a {rows}x{inputs} weight on {codes.device}"
+        )
+        raise ValueError(f"kvchat's kernel cannot run this layer here ({why})")
+    return asked or ("kvchat" if fits and ours() is not None else "torch")
+
+
 def _fp32_copy(linear: nn.Linear) -> torch.Tensor:
     # A copy even of an fp32 weight: quantizing works in place on it, and one (N, K) temporary is
     # what a 3B model's output layer can afford (1.2 GB).
@@ -197,6 +223,24 @@ def _tile_params(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     return both.permute(1, 3, 0, 2).contiguous()
 
 
+def _tile_int8(codes: torch.Tensor) -> torch.Tensor:
+    """kvchat's layout (quantized_linear.cpp): (N/16, K/32, 512) uint8, a tile of 16 rows by a group of
+    32 inputs as eight 64-byte blocks; block j's byte 4r + i holds row r's code for input 4j + i, plus
+    128."""
+    rows, inputs = codes.shape
+    shifted = (codes.to(torch.int16) + 128).to(torch.uint8)
+    # (tile, row, group, j, i) for input 4j + i, then (tile, group, j, row, i)
+    split = shifted.reshape(rows // TILE_ROWS, TILE_ROWS, inputs // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
+    return split.reshape(rows // TILE_ROWS, inputs // GROUP_SIZE, -1).contiguous()
+
+
+def _untile_int8(tiled: torch.Tensor) -> torch.Tensor:
+    """The codes in kvchat's layout as (N, K) int16: `_tile_int8` undone."""
+    tiles, groups, _ = tiled.shape
+    blocks = tiled.reshape(tiles, groups, 8, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)  # (tile, row, group, j, i)
+    return blocks.reshape(tiles * TILE_ROWS, groups * GROUP_SIZE).to(torch.int16) - 128
+
+
 def _untile_int4(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """The weight in kvchat's layout, (N, K) in fp32: `_tile_int4` and `_tile_params` undone."""
     tiles, groups, _ = packed.shape
@@ -229,15 +273,19 @@ class QuantizeReport:
 
 
 def quantize_model(
-    model: nn.Module, mode: str, head_mode: str | None = None, from_file: LayerSource | None = None
+    model: nn.Module,
+    mode: str,
+    head_mode: str | None = None,
+    from_file: LayerSource | None = None,
+    int8_kernel: str | None = None,
 ) -> QuantizeReport:
     """Replace the model's nn.Linear layers by int8 or int4 ones in place (the embedding stays).
 
     The output layer is quantized as `head_mode` says, by default int8 for both modes: in int4 it
     costs 50x the KL of all other layers together on SmolLM2 (scripts/README.md, Quantization).
     `from_file` may supply a ready layer for a name (a GGUF's own 4-bit values); the others are
-    quantized from their weights. Layers of shapes the kernel cannot take stay as they are, listed
-    in the report."""
+    quantized from their weights. `int8_kernel` names the kernel int8 layers run (Int8Linear's
+    `kernel`). Layers of shapes the kernel cannot take stay as they are, listed in the report."""
     for value in (mode, head_mode):
         if value is not None and value not in QUANTIZE_MODES:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {value!r}")
@@ -261,7 +309,12 @@ def quantize_model(
         try:
             replacement = from_file(name, linear) if from_file is not None and layer_mode == "int4" else None
             outcome = report.kept_from_file if replacement is not None else report.quantized
-            replacement = replacement or _MAKERS[layer_mode](linear)
+            if replacement is None:
+                replacement = (
+                    Int8Linear.from_linear(linear, int8_kernel)
+                    if layer_mode == "int8"
+                    else Int4Linear.from_linear(linear)
+                )
         except ValueError:  # a shape the kernel cannot take
             report.refused.append(name)
             continue
@@ -270,10 +323,11 @@ def quantize_model(
     return report
 
 
-_MAKERS: dict[str, Callable[[nn.Linear], nn.Module]] = {
-    "int8": Int8Linear.from_linear,
-    "int4": Int4Linear.from_linear,
-}
+def int8_kernel_for(compile_decode: bool) -> str | None:
+    """The kernel int8 layers should run: torch's layout under `--compile`, where inductor's int8
+    template read Qwen2.5-3B's weights at ~21 GB/s in the compiled graph and kvchat's int8 kernel at
+    ~15.5; else the default (kvchat's where built: faster than torch's own int8 kernel, eager)."""
+    return "torch" if compile_decode else None
 
 
 def require_kernels(mode: str, device: torch.device) -> None:

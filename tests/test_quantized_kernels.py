@@ -1,5 +1,6 @@
-"""kvchat's int4 kernel (`kvchat::int4_linear`) against the layer's weight dequantized in float64,
-within what rounding its input to int8 twice leaves, and against torch's int4 kernel."""
+"""kvchat's int4 and int8 kernels (`kvchat::int4_linear`, `kvchat::int8_linear`) against the layer's
+weight dequantized in float64, within what rounding their input to int8 twice leaves, and against
+torch's kernels on the same codes."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from kvchat.engine.compiled_step import has_cpp_compiler
-from kvchat.models.quantize import GROUP_SIZE, Int4Linear
+from kvchat.models.quantize import GROUP_SIZE, Int4Linear, Int8Linear
 from kvchat.native import kernels
 
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module", autouse=True)
 def _built() -> None:
     assert kernels.int4_linear() is not None, kernels.build_error()
+    assert kernels.int8_linear() is not None, kernels.build_error()
 
 
 @dataclass
@@ -53,24 +55,40 @@ def make_layer(out_features: int, in_features: int, bias: bool = False) -> tuple
     return layer, Weights(codes.double() * scales64, zeros64 - 8 * scales64)
 
 
+def make_int8_layer(out_features: int, in_features: int) -> tuple[Int8Linear, Weights]:
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-128, 128, (out_features, in_features), generator=generator)
+    scales = (torch.rand(out_features, generator=generator) * 0.01 + 1e-3).to(torch.bfloat16)
+    layer = Int8Linear(codes, scales, None)
+    weight = codes.double() * scales.double()[:, None]
+    return layer, Weights(weight, torch.zeros_like(weight))  # no offsets: all of it meets the input
+
+
 def rounding_bound(x: torch.Tensor, weights: Weights) -> torch.Tensor:
-    """How far the kernel may be from x @ W.T, (M, N): each input within 1/256 of its group's int8
-    step (the offsets take x's exact sums), plus fp32's sums."""
+    """How far a kernel may be from x @ W.T, (M, N): each input within 1/256 of its group's int8
+    step (int4's offsets take x's exact sums), plus fp32's sums."""
     groups = x.double().reshape(x.shape[0], -1, GROUP_SIZE)  # (M, K/32, 32)
     step = groups.abs().amax(-1, keepdim=True) / 127
     per_input = (step / 256).expand_as(groups).reshape(x.shape)  # (M, K)
     return per_input @ weights.scaled_codes.abs().T + 1e-5 * x.double().abs() @ weights.weight.abs().T
 
 
+def run_kernel(layer: Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(layer, Int4Linear):
+        return torch.ops.kvchat.int4_linear(x, layer.packed, layer.scales_and_zeros)
+    return torch.ops.kvchat.int8_linear(x, layer.codes, layer.scales)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])  # passes of 4 input rows, and what is left
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_equals_the_dequantized_matmul(rows: int, dtype: torch.dtype) -> None:
-    layer, weights = make_layer(48, 128)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernel_equals_the_dequantized_matmul(rows: int, dtype: torch.dtype, bits: int) -> None:
+    layer, weights = (make_layer if bits == 4 else make_int8_layer)(48, 128)
     assert layer.kernel == "kvchat"
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
     x[0, 40] = 30.0  # one large input in its group: the others are read on its scale
     x[-1, 64:96] = 0.0  # a group of zeros: no scale to divide by
-    out = torch.ops.kvchat.int4_linear(x, layer.packed, layer.scales_and_zeros)  # (M, N)
+    out = run_kernel(layer, x)  # (M, N)
     assert out.dtype == torch.float32 and out.shape == (rows, 48)
     expected = x.double() @ weights.weight.T
     error = (out.double() - expected).abs()
@@ -98,30 +116,38 @@ def test_the_layer_rounds_its_output_once_and_adds_its_bias() -> None:
     torch.testing.assert_close(layer.dequantized_weight().double(), weights.weight, rtol=0, atol=1e-7)
 
 
-def test_both_kernels_compute_the_same_layer() -> None:
-    """The same codes, scales and zeros in kvchat's layout and in torch's multiply alike."""
+@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear])
+def test_both_kernels_compute_the_same_layer(kind: type) -> None:
+    """The same codes and scales in kvchat's layout and in torch's multiply alike."""
     linear = torch.nn.Linear(256, 64, bias=False)
-    ours, theirs = (Int4Linear.from_linear(linear, kernel) for kernel in ("kvchat", "torch"))
-    # torch's is read through its kernel, which rounds to bf16
-    assert torch.equal(ours.dequantized_weight().to(torch.bfloat16).float(), theirs.dequantized_weight())
+    ours, theirs = (kind.from_linear(linear, kernel) for kernel in ("kvchat", "torch"))
+    expected_weight = ours.dequantized_weight()
+    if kind is Int4Linear:  # torch's is read through its kernel, which rounds to bf16
+        expected_weight = expected_weight.to(torch.bfloat16).float()
+    assert torch.equal(expected_weight, theirs.dequantized_weight())
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     expected = x.double() @ ours.dequantized_weight().double().T
-    # torch's kernel rounds its output to bf16; kvchat's is within its bound of the exact product
+    # torch's kernels round their output to bf16; kvchat's are within their bound of the exact product
     close = {"rtol": 2**-7, "atol": 2**-8 * float(expected.abs().max())}
     torch.testing.assert_close(theirs(x).double(), expected, **close)
     torch.testing.assert_close(ours(x).double(), expected, **close)
 
 
-def test_asking_for_kvchats_kernel_where_it_is_not_built_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_asking_for_kvchats_kernel_where_it_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    odd = torch.nn.Linear(48, 32)  # 48 inputs: not whole groups of 32
+    assert Int8Linear.from_linear(odd).kernel == "torch"
+    with pytest.raises(ValueError, match="a 32x48 weight"):
+        Int8Linear.from_linear(odd, "kvchat")
     monkeypatch.setattr(kernels, "int4_linear", lambda: None)
     linear = torch.nn.Linear(64, 32)
     assert Int4Linear.from_linear(linear).kernel == "torch"
-    with pytest.raises(ValueError, match="not built"):
+    with pytest.raises(ValueError, match="cannot run"):
         Int4Linear.from_linear(linear, "kvchat")
 
 
-def test_threads_split_the_rows_without_changing_a_bit() -> None:
-    layer, _ = make_layer(256, 128)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_threads_split_the_rows_without_changing_a_bit(bits: int) -> None:
+    layer, _ = (make_layer if bits == 4 else make_int8_layer)(256, 128)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3))
     threads = torch.get_num_threads()
     try:

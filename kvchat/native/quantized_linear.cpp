@@ -1,0 +1,251 @@
+// Weight-only int4 and int8 linear layers, registered for CPU as kvchat::int4_linear and
+// kvchat::int8_linear (built by kernels.py) where the CPU has AVX-512 VNNI; elsewhere kvchat runs
+// torch's own kernels.
+//
+// Both round their input to int8 per group of 32 with one scale (its largest magnitude / 127), as
+// llama.cpp does for its quantized dot products, and then what that rounding leaves to int8 again at
+// 1/256 of the scale: two integer products a group, x to within 1/65,000 of the group's largest value,
+// where one int8 rounding alone took SmolLM2's KL against its own weights from 0.004 to 0.034. A
+// decode token's linears then read each weight byte once, at the machine's read bandwidth, where
+// torch's kernels widen every weight to floats and run at about half that; with more rows of input
+// (speculation's drafts, prefill) each tile is read once per 4 rows, from cache. The output is fp32.
+//
+// The weights (written by quantize.py) are in tiles of 16 rows by groups of 32 inputs, laid out as
+// vpdpbusd operands: 16 rows by 4 inputs in 64 bytes, against 4 inputs broadcast.
+// int4: a tile-group is 256 bytes of codes, four 64-byte blocks: block i's byte 4r + j holds row r's
+//   code for input 4i + j in its low nibble and for input 16 + 4i + j in its high one; in a second
+//   tensor, 16 bf16 scales then 16 bf16 zeros. The weight is (code - 8) * scale + zero, and each
+//   group's exact input sum carries the zeros:
+//   out[r] = sum over groups of  scale * dx / 256 * sum(code * (256 xq + xr))  +  (zero - 8 scale) * sum(x).
+// int8: a tile-group is 512 bytes, eight 64-byte blocks: block j's byte 4r + i holds row r's code for
+//   input 4j + i, plus 128 (vpdpbusd multiplies unsigned bytes by signed ones); one bf16 scale per row.
+//   out[r] = scale * sum over groups of  dx / 256 * (sum(u * (256 xq + xr)) - 128 * sum(256 xq + xr)).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+constexpr int64_t kRows = 16;                      // output rows a tile
+constexpr int64_t kGroup = 32;                     // inputs per scale and zero
+constexpr int64_t kCodeBytes = kRows * kGroup / 2;  // an int4 tile-group's codes
+constexpr int64_t kByteCodes = kRows * kGroup;      // an int8 tile-group's codes
+constexpr int64_t kBatch = 4;                      // input rows a pass over a tile
+constexpr int64_t kAhead = 8;                      // groups ahead to prefetch the codes of
+
+// The input's rows quantized per group: int8 codes and their residues' codes (M, K); per group a
+// scale, the exact sum, and sum(256 code + residue) for int8's offset. x = scale * (code + residue /
+// 256), to within scale / 512.
+struct QuantizedInput {
+  at::Tensor codes, residues, scales, sums, code_sums;
+};
+
+QuantizedInput quantize_input(const at::Tensor& x) {
+  const int64_t rows = x.size(0), inputs = x.size(1), groups = inputs / kGroup;
+  const at::Tensor values = x.to(at::kFloat).contiguous();
+  const auto bytes = x.options().dtype(at::kChar), floats = x.options().dtype(at::kFloat);
+  QuantizedInput q{at::empty({rows, inputs}, bytes), at::empty({rows, inputs}, bytes),
+                   at::empty({rows, groups}, floats), at::empty({rows, groups}, floats),
+                   at::empty({rows, groups}, x.options().dtype(at::kInt))};
+  const float* in = values.data_ptr<float>();
+  int8_t* codes = q.codes.data_ptr<int8_t>();
+  int8_t* residues = q.residues.data_ptr<int8_t>();
+  float* scales = q.scales.data_ptr<float>();
+  float* sums = q.sums.data_ptr<float>();
+  int32_t* code_sums = q.code_sums.data_ptr<int32_t>();
+  for (int64_t g = 0; g < rows * groups; ++g) {
+    const float* v = in + g * kGroup;
+    float largest = 0.0f, sum = 0.0f;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      largest = std::max(largest, std::fabs(v[k]));
+      sum += v[k];
+    }
+    const float scale = largest / 127.0f;
+    const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+    int32_t code_sum = 0;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const float code = std::nearbyint(v[k] * inverse);
+      const float residue = std::nearbyint((v[k] * inverse - code) * 256.0f);  // within +-128
+      codes[g * kGroup + k] = static_cast<int8_t>(code);
+      residues[g * kGroup + k] = static_cast<int8_t>(std::min(residue, 127.0f));
+      code_sum += 256 * codes[g * kGroup + k] + residues[g * kGroup + k];
+    }
+    scales[g] = scale;
+    sums[g] = sum;
+    code_sums[g] = code_sum;
+  }
+  return q;
+}
+
+inline __m512 widen_bf16(const uint16_t* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// sum(code * (256 xq + xr)) over one group for 16 rows: eight blocks of 16 rows by 4 inputs.
+inline __m512i group_dot(const __m512i (&v)[8], const int8_t* coarse, const int8_t* fine) {
+  // four chains of vpdpbusd, not two: each waits on its own last result
+  __m512i dot[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  __m512i rest[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int j = 0; j < 8; ++j) {
+    int32_t four, four_fine;
+    std::memcpy(&four, coarse + 4 * j, sizeof four);
+    std::memcpy(&four_fine, fine + 4 * j, sizeof four_fine);
+    dot[j % 2] = _mm512_dpbusd_epi32(dot[j % 2], v[j], _mm512_set1_epi32(four));
+    rest[j % 2] = _mm512_dpbusd_epi32(rest[j % 2], v[j], _mm512_set1_epi32(four_fine));
+  }
+  const __m512i coarse_sum = _mm512_add_epi32(dot[0], dot[1]);
+  return _mm512_add_epi32(_mm512_slli_epi32(coarse_sum, 8), _mm512_add_epi32(rest[0], rest[1]));
+}
+
+// B input rows against one int4 tile of 16 output rows: out[b * out_stride + r].
+template <int B>
+void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, const QuantizedInput& x,
+          int64_t first_row, float* out, int64_t out_stride) {
+  const int64_t inputs = x.codes.size(1);
+  const int8_t* xq = x.codes.data_ptr<int8_t>() + first_row * inputs;
+  const int8_t* xr = x.residues.data_ptr<int8_t>() + first_row * inputs;
+  const float* dx = x.scales.data_ptr<float>() + first_row * groups;
+  const float* xs = x.sums.data_ptr<float>() + first_row * groups;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512 minus_eight = _mm512_set1_ps(-8.0f);
+  __m512 acc[B];
+  for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* c = codes + g * kCodeBytes;
+    __m512i v[8];
+    for (int i = 0; i < 4; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(c + kAhead * kCodeBytes + 64 * i), _MM_HINT_T0);
+      const __m512i raw = _mm512_loadu_si512(c + 64 * i);
+      v[i] = _mm512_and_si512(raw, low);
+      v[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+    const __m512 scale = widen_bf16(params + g * 2 * kRows);
+    const __m512 offset = _mm512_fmadd_ps(minus_eight, scale, widen_bf16(params + g * 2 * kRows + kRows));
+    for (int b = 0; b < B; ++b) {
+      // |sum(code * (256 xq + xr))| <= 32 * 15 * (256 * 127 + 128) < 2^24: exact in int32 and fp32
+      const __m512i dot = group_dot(v, xq + b * inputs + g * kGroup, xr + b * inputs + g * kGroup);
+      const __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[b * groups + g] / 256.0f));
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), step, acc[b]);
+      acc[b] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[b * groups + g]), acc[b]);
+    }
+  }
+  for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + b * out_stride, acc[b]);
+}
+
+// B input rows against one int8 tile of 16 output rows: out[b * out_stride + r].
+template <int B>
+void int8_tile(const uint8_t* codes, const uint16_t* row_scales, int64_t groups, const QuantizedInput& x,
+               int64_t first_row, float* out, int64_t out_stride) {
+  const int64_t inputs = x.codes.size(1);
+  const int8_t* xq = x.codes.data_ptr<int8_t>() + first_row * inputs;
+  const int8_t* xr = x.residues.data_ptr<int8_t>() + first_row * inputs;
+  const float* dx = x.scales.data_ptr<float>() + first_row * groups;
+  const int32_t* code_sums = x.code_sums.data_ptr<int32_t>() + first_row * groups;
+  __m512 acc[B];
+  for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i v[8];
+    for (int j = 0; j < 8; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(codes + (g + kAhead) * kByteCodes + 64 * j), _MM_HINT_T0);
+      v[j] = _mm512_loadu_si512(codes + g * kByteCodes + 64 * j);
+    }
+    for (int b = 0; b < B; ++b) {
+      __m512i dot = group_dot(v, xq + b * inputs + g * kGroup, xr + b * inputs + g * kGroup);
+      // |sum(w * (256 xq + xr))| <= 32 * 128 * (256 * 127 + 128) < 2^31, exact in int32
+      dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * code_sums[b * groups + g]));
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dx[b * groups + g] / 256.0f), acc[b]);
+    }
+  }
+  const __m512 scale = widen_bf16(row_scales);
+  for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + b * out_stride, _mm512_mul_ps(acc[b], scale));
+}
+
+// Each tile of 16 output rows against the input's rows, 4 at a time, the tiles split between threads.
+template <typename Tile>
+at::Tensor by_tiles(const at::Tensor& x, int64_t tiles, Tile&& tile) {
+  const int64_t rows = x.size(0), width = tiles * kRows;
+  const QuantizedInput q = quantize_input(x);
+  at::Tensor out = at::empty({rows, width}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t b = 0; b < rows; b += kBatch) {
+        float* to = o + b * width + t * kRows;
+        switch (std::min(kBatch, rows - b)) {
+          case 4: tile(std::integral_constant<int, 4>{}, t, q, b, to, width); break;
+          case 3: tile(std::integral_constant<int, 3>{}, t, q, b, to, width); break;
+          case 2: tile(std::integral_constant<int, 2>{}, t, q, b, to, width); break;
+          default: tile(std::integral_constant<int, 1>{}, t, q, b, to, width); break;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && params.dim() == 4, "int4_linear: x (M, K), codes "
+              "(N/16, K/32, 256), params (N/16, K/32, 2, 16)");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && params.scalar_type() == at::kBFloat16,
+              "int4_linear: uint8 codes and bf16 params");
+  TORCH_CHECK(codes.is_contiguous() && params.is_contiguous(), "int4_linear: contiguous weights");
+  const int64_t tiles = codes.size(0), groups = codes.size(1);
+  TORCH_CHECK(codes.size(2) == kCodeBytes && x.size(1) == groups * kGroup, "int4_linear: shapes");
+  TORCH_CHECK(params.size(0) == tiles && params.size(1) == groups && params.size(2) == 2 &&
+                  params.size(3) == kRows,
+              "int4_linear: params shape");
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params) {
+  check(x, codes, params);
+  const int64_t groups = codes.size(1);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(params.data_ptr<at::BFloat16>());
+  return by_tiles(x, codes.size(0), [&](auto batch, int64_t t, const QuantizedInput& q, int64_t b, float* to,
+                                        int64_t width) {
+    int4_tile<decltype(batch)::value>(c + t * groups * kCodeBytes, p + t * groups * 2 * kRows, groups, q, b, to,
+                                      width);
+  });
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == 1,
+              "int8_linear: x (M, K), codes (N/16, K/32, 512), scales (N,)");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kBFloat16,
+              "int8_linear: uint8 codes and bf16 scales");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(), "int8_linear: contiguous weights");
+  const int64_t tiles = codes.size(0), groups = codes.size(1);
+  TORCH_CHECK(codes.size(2) == kByteCodes && x.size(1) == groups * kGroup && scales.size(0) == tiles * kRows,
+              "int8_linear: shapes");
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  return by_tiles(x, tiles, [&](auto batch, int64_t t, const QuantizedInput& q, int64_t b, float* to,
+                                int64_t width) {
+    int8_tile<decltype(batch)::value>(c + t * groups * kByteCodes, s + t * kRows, groups, q, b, to, width);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvchat, m) {
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor params) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
+}
+
+#endif
