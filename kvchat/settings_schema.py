@@ -61,8 +61,8 @@ class ModelSettings:
     compile: bool = setting(
         False,
         "Compile the decode step of Llama, Qwen2 and Qwen3 models on CPU with torch.compile: single "
-        "tokens decode 1.2-2.5x faster, after a compile of a minute or two at load; bf16/fp32 and int8 "
-        "linear weights get a second, packed copy (int4 ones do not).",
+        "tokens decode 1.2-2.5x faster, after a compile of a minute or two at load; bf16/fp32 linear "
+        "weights get a second, packed copy (int8/int4 ones on kvchat's kernels do not).",
         flag="--compile",
         detail="Needs a C++ compiler. Other families and CUDA decode as without it.",
     )

@@ -33,9 +33,9 @@ def apply_kind(model, kind: str):
     """`kind` is <dtype>[-int8|-int4][-compiled]: quantize with kvchat.models.quantize where it asks to."""
     _, _, mode = kind.removesuffix("-compiled").partition("-")
     if mode:
-        from kvchat.models.quantize import int8_kernel_for, quantize_model  # the --quantize option
+        from kvchat.models.quantize import quantize_model  # the --quantize option, where it exists
 
-        quantize_model(model, mode, int8_kernel=int8_kernel_for(kind.endswith("-compiled")))
+        quantize_model(model, mode)
     return model.eval()
 
 

@@ -33,7 +33,7 @@ def test_the_wheel_carries_its_data_files_and_runs_without_the_source(tmp_path: 
     (wheel,) = (source / "dist").glob("kvchat-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     data = {"kvchat/configs/default.toml", "kvchat/configs/models.toml"}
-    data |= {"kvchat/native/paged_decode.cpp", "kvchat/native/int4_linear.cpp"}
+    data |= {"kvchat/native/paged_decode.cpp", "kvchat/native/quantized_linear.cpp"}
     assert data <= names
 
     site = tmp_path / "site"
@@ -41,7 +41,7 @@ def test_the_wheel_carries_its_data_files_and_runs_without_the_source(tmp_path: 
     code = (
         "import sys, importlib.resources as r, kvchat.config as c, kvchat.models.sources as s\n"
         "assert c.__file__.startswith(sys.argv[1]), c.__file__\n"
-        "assert r.files('kvchat.native').joinpath('int4_linear.cpp').is_file()\n"
+        "assert r.files('kvchat.native').joinpath('quantized_linear.cpp').is_file()\n"
         "print(c.load_settings().model.model, s.load_aliases()['smollm2-135m'].hub_id)\n"
     )
     elsewhere = tmp_path / "elsewhere"

@@ -37,7 +37,8 @@ VERIFY_COSTS = {
     "lean-int4": (1.0, 0.0, 0.16, 0.04),
     "lean-int8": (1.0, 0.0, 0.13, 0.04),
     "compiled": (3.4, -0.15, 0.14, 0.05),
-    "compiled-int4": (1.6, -0.1, 0.42, 0.025),
+    "compiled-int4": (1.45, -0.04, 0.25, 0.05),
+    "compiled-int8": (1.4, -0.04, 0.2, 0.045),
 }
 
 
@@ -121,11 +122,11 @@ class Engine:
         few rows reads the weights at about half its one-row rate); with the compiled graph ~3.4 +
         0.14k, as the drafts take the eager step over unpacked weights. kvchat's int4 and int8
         kernels read their weights at the machine's bandwidth for one row, but each further row costs
-        them integer products: ~1 + 0.16k (int4) and ~1 + 0.13k (int8) on the lean step, ~1.6 + 0.42k
-        for int4 compiled (int8 layers compile to inductor's template: bf16's figure). Each draft
-        costs more as the context grows (its attention over every position: +0.015-0.05 a draft per
-        1,000 tokens), and under `--compile` the fixed part shrinks, the graph's own token slowing with
-        the context. Elsewhere (the module forward, a GPU) it is taken as bf16's."""
+        them integer products: ~1 + 0.16k (int4) and ~1 + 0.13k (int8) on the lean step, ~1.45 +
+        0.25k and ~1.4 + 0.2k compiled. Each draft costs more as the context grows (its attention over
+        every position: +0.015-0.05 a draft per 1,000 tokens), and under `--compile` the fixed part
+        shrinks, the graph's own token slowing with the context. Elsewhere (the module forward, a GPU)
+        it is taken as bf16's."""
         if self._compiled is not None:
             costs = VERIFY_COSTS["compiled" + (f"-{self._quantized}" if self._quantized else "")]
         elif self._decode_step is not None and self._quantized:

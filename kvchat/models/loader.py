@@ -25,7 +25,7 @@ from kvchat.models.gguf import ensure_gguf_converted
 from kvchat.models.gguf_quant import GGUFInt4Layers
 from kvchat.models.packaged import ensure_converted, is_packaged_file, packaged_gguf
 from kvchat.models.progress import ProgressCallback, quiet_transformers, report
-from kvchat.models.quantize import QuantizeReport, int8_kernel_for, quantize_model
+from kvchat.models.quantize import QuantizeReport, quantize_model
 from kvchat.models.sources import ModelSource, resolve_model
 from kvchat.native import kernels
 
@@ -84,7 +84,7 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
-    quantization = apply_quantize(model, settings.quantize, source, folder, settings.compile)
+    quantization = apply_quantize(model, settings.quantize, source, folder)
     eos_ids = eos_token_ids(model, tokenizer)
     if not eos_ids:
         raise ModelLoadError(f"{source.model_id} names no end-of-sequence token; replies would never end")
@@ -112,14 +112,9 @@ def _converted_folder(source: ModelSource, progress: ProgressCallback | None) ->
 
 
 def apply_quantize(
-    model: PreTrainedModel,
-    mode: str,
-    source: ModelSource,
-    converted: Path | None,
-    compile_decode: bool = False,
+    model: PreTrainedModel, mode: str, source: ModelSource, converted: Path | None
 ) -> QuantizeReport | None:
-    """Quantize the linear layers in place; int4 keeps a Q4_0/Q4_1 GGUF's own 4-bit values, and int8
-    layers run the kernel that serves `compile_decode` best."""
+    """Quantize the linear layers in place; int4 keeps a Q4_0/Q4_1 GGUF's own 4-bit values."""
     if mode == "none":
         return None
     from_file = None
@@ -134,7 +129,7 @@ def apply_quantize(
             config.num_hidden_layers,
         )
     with torch.no_grad():
-        return quantize_model(model, mode, from_file=from_file, int8_kernel=int8_kernel_for(compile_decode))
+        return quantize_model(model, mode, from_file=from_file)
 
 
 def quantization_tag(report: QuantizeReport | None) -> str:

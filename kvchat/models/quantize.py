@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelLoadError
+from kvchat.models import quantized_layout as layout
+from kvchat.models.quantized_layout import GROUP_SIZE, TILE_ROWS
 from kvchat.native import kernels
 
 QUANTIZE_MODES = ("none", "int8", "int4")
@@ -30,8 +32,6 @@ KERNELS = {
     ("int4", "cpu"): ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu"),
     ("int4", "cuda"): ("_convert_weight_to_int4pack", "_weight_int4pack_mm"),
 }
-GROUP_SIZE = 32  # inputs per int4 scale and zero, as GGUF's Q4_0/Q4_1 blocks
-TILE_ROWS = 16  # output rows per tile in kvchat's int4 layout
 KERNEL_DTYPE = torch.bfloat16
 
 # A linear's name and module in, its quantized replacement out (or None: quantize it from its weight).
@@ -41,7 +41,7 @@ LayerSource = Callable[[str, nn.Linear], nn.Module | None]
 class Int8Linear(nn.Module):
     """nn.Linear with int8 weights and one bf16 scale per output channel.
 
-    `kernel` says whose kernel runs it, which decides the layout of `codes`: "kvchat" (`_tile_int8`)
+    `kernel` says whose kernel runs it, which decides the layout of `codes`: "kvchat" (`layout.tile_int8`)
     or "torch" ((N, K) int8). By default kvchat's where it is built for this device and takes the
     shape, else torch's; asking for kvchat's where it cannot run is an error."""
 
@@ -59,7 +59,9 @@ class Int8Linear(nn.Module):
             raise ValueError(f"int8 needs in_features divisible by 16, got {self.in_features}")
         self.kernel = _choose_kernel(kernel, kernels.int8_linear, codes)
         codes = codes.to(torch.int8)
-        self.register_buffer("codes", _tile_int8(codes) if self.kernel == "kvchat" else codes.contiguous())
+        self.register_buffer(
+            "codes", layout.tile_int8(codes) if self.kernel == "kvchat" else codes.contiguous()
+        )
         self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())  # (N,)
         self.register_buffer("bias", None if bias is None else bias.detach().to(KERNEL_DTYPE))
 
@@ -73,7 +75,7 @@ class Int8Linear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by, in fp32: (N, K)."""
-        codes = _untile_int8(self.codes) if self.kernel == "kvchat" else self.codes
+        codes = layout.untile_int8(self.codes) if self.kernel == "kvchat" else self.codes
         return codes.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +97,7 @@ class Int4Linear(nn.Module):
     """nn.Linear with 4-bit codes in groups of 32 inputs, each group with a bf16 scale and zero.
 
     `kernel` says whose kernel runs it, which decides the layout of `packed` and `scales_and_zeros`:
-    "kvchat" (`_tile_int4`) or "torch" (`_pack_int4`), chosen as for Int8Linear."""
+    "kvchat" (`layout.tile_int4`) or "torch" (`layout.pack_int4`), chosen as for Int8Linear."""
 
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
@@ -120,11 +122,11 @@ class Int4Linear(nn.Module):
         scales, zeros = scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)
         self.kernel = _choose_kernel(kernel, kernels.int4_linear, codes)
         if self.kernel == "kvchat":
-            self.register_buffer("packed", _tile_int4(codes))
-            self.register_buffer("scales_and_zeros", _tile_params(scales, zeros))
+            self.register_buffer("packed", layout.tile_int4(codes))
+            self.register_buffer("scales_and_zeros", layout.tile_params(scales, zeros))
         else:
             pairs = torch.stack([scales, zeros], dim=-1)  # (N, K/G, 2)
-            self.register_buffer("packed", _pack_int4(codes))
+            self.register_buffer("packed", layout.pack_int4(codes))
             self.register_buffer("scales_and_zeros", pairs.transpose(0, 1).contiguous())  # (K/G, N, 2)
         self.register_buffer("bias", None if bias is None else bias.detach().to(KERNEL_DTYPE))
 
@@ -146,7 +148,7 @@ class Int4Linear(nn.Module):
         """The weight the kernel multiplies by, in fp32: (N, K). torch's layout is read by running its
         kernel on an identity."""
         if self.kernel == "kvchat":
-            return _untile_int4(self.packed, self.scales_and_zeros)
+            return layout.untile_int4(self.packed, self.scales_and_zeros)
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.packed.device)  # (K, K)
         return _int4_mm(eye, self.packed, self.scales_and_zeros).float().T.contiguous()
 
@@ -194,64 +196,6 @@ def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> to
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 
-def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    codes = codes.to(torch.int32)  # (N, K) in 0..15
-    if codes.device.type == "cpu":
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # (N, K/2) uint8
-    # CUDA (untested here): two codes a byte, even index in the high nibble, then the tiled layout.
-    pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # (N, K/2)
-    inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (t * 16) == 0)
-    return torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
-
-
-def _tile_int4(codes: torch.Tensor) -> torch.Tensor:
-    """kvchat's layout (int4_linear.cpp): (N/16, K/32, 256) uint8, a tile of 16 rows by a group of 32
-    inputs as four 64-byte blocks; block i's byte 4r + j holds row r's code for input 4i + j in its low
-    nibble and for input 16 + 4i + j in its high one."""
-    rows, inputs = codes.shape
-    # (tile, row, group, half, i, j) for input 16 * half + 4i + j, then (tile, group, i, row, j, half)
-    split = codes.to(torch.uint8).reshape(rows // TILE_ROWS, TILE_ROWS, inputs // GROUP_SIZE, 2, 4, 4)
-    split = split.permute(0, 2, 4, 1, 5, 3)
-    packed = split[..., 0] | split[..., 1] << 4  # (tile, group, i, row, j)
-    return packed.reshape(rows // TILE_ROWS, inputs // GROUP_SIZE, -1).contiguous()
-
-
-def _tile_params(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """Scales and zeros (N, K/32) each as kvchat's kernel reads them: (N/16, K/32, 2, 16)."""
-    rows, groups = scales.shape
-    both = torch.stack([scales, zeros]).reshape(2, rows // TILE_ROWS, TILE_ROWS, groups)
-    return both.permute(1, 3, 0, 2).contiguous()
-
-
-def _tile_int8(codes: torch.Tensor) -> torch.Tensor:
-    """kvchat's layout (quantized_linear.cpp): (N/16, K/32, 512) uint8, a tile of 16 rows by a group of
-    32 inputs as eight 64-byte blocks; block j's byte 4r + i holds row r's code for input 4j + i, plus
-    128."""
-    rows, inputs = codes.shape
-    shifted = (codes.to(torch.int16) + 128).to(torch.uint8)
-    # (tile, row, group, j, i) for input 4j + i, then (tile, group, j, row, i)
-    split = shifted.reshape(rows // TILE_ROWS, TILE_ROWS, inputs // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
-    return split.reshape(rows // TILE_ROWS, inputs // GROUP_SIZE, -1).contiguous()
-
-
-def _untile_int8(tiled: torch.Tensor) -> torch.Tensor:
-    """The codes in kvchat's layout as (N, K) int16: `_tile_int8` undone."""
-    tiles, groups, _ = tiled.shape
-    blocks = tiled.reshape(tiles, groups, 8, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)  # (tile, row, group, j, i)
-    return blocks.reshape(tiles * TILE_ROWS, groups * GROUP_SIZE).to(torch.int16) - 128
-
-
-def _untile_int4(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """The weight in kvchat's layout, (N, K) in fp32: `_tile_int4` and `_tile_params` undone."""
-    tiles, groups, _ = packed.shape
-    blocks = packed.reshape(tiles, groups, 4, TILE_ROWS, 4)  # (tile, group, i, row, j)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1)  # (tile, group, i, row, j, half)
-    codes = codes.permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE_ROWS, groups * GROUP_SIZE)
-    scales, zeros = params.float().permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, groups)
-    scales, zeros = scales.repeat_interleave(GROUP_SIZE, 1), zeros.repeat_interleave(GROUP_SIZE, 1)
-    return (codes.float() - 8) * scales + zeros
-
-
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales_and_zeros)
@@ -277,15 +221,14 @@ def quantize_model(
     mode: str,
     head_mode: str | None = None,
     from_file: LayerSource | None = None,
-    int8_kernel: str | None = None,
 ) -> QuantizeReport:
     """Replace the model's nn.Linear layers by int8 or int4 ones in place (the embedding stays).
 
     The output layer is quantized as `head_mode` says, by default int8 for both modes: in int4 it
     costs 50x the KL of all other layers together on SmolLM2 (scripts/README.md, Quantization).
     `from_file` may supply a ready layer for a name (a GGUF's own 4-bit values); the others are
-    quantized from their weights. `int8_kernel` names the kernel int8 layers run (Int8Linear's
-    `kernel`). Layers of shapes the kernel cannot take stay as they are, listed in the report."""
+    quantized from their weights. Layers of shapes the kernel cannot take stay as they are, listed
+    in the report."""
     for value in (mode, head_mode):
         if value is not None and value not in QUANTIZE_MODES:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {value!r}")
@@ -310,24 +253,14 @@ def quantize_model(
             replacement = from_file(name, linear) if from_file is not None and layer_mode == "int4" else None
             outcome = report.kept_from_file if replacement is not None else report.quantized
             if replacement is None:
-                replacement = (
-                    Int8Linear.from_linear(linear, int8_kernel)
-                    if layer_mode == "int8"
-                    else Int4Linear.from_linear(linear)
-                )
+                maker = Int8Linear if layer_mode == "int8" else Int4Linear
+                replacement = maker.from_linear(linear)
         except ValueError:  # a shape the kernel cannot take
             report.refused.append(name)
             continue
         outcome.append(name)
         _set_submodule(model, name, replacement)
     return report
-
-
-def int8_kernel_for(compile_decode: bool) -> str | None:
-    """The kernel int8 layers should run: torch's layout under `--compile`, where inductor's int8
-    template read Qwen2.5-3B's weights at ~21 GB/s in the compiled graph and kvchat's int8 kernel at
-    ~15.5; else the default (kvchat's where built: faster than torch's own int8 kernel, eager)."""
-    return "torch" if compile_decode else None
 
 
 def require_kernels(mode: str, device: torch.device) -> None:

@@ -16,7 +16,8 @@
 //   code for input 4i + j in its low nibble and for input 16 + 4i + j in its high one; in a second
 //   tensor, 16 bf16 scales then 16 bf16 zeros. The weight is (code - 8) * scale + zero, and each
 //   group's exact input sum carries the zeros:
-//   out[r] = sum over groups of  scale * dx / 256 * sum(code * (256 xq + xr))  +  (zero - 8 scale) * sum(x).
+//   out[r] = sum over groups of  scale * dx / 256 * sum(code * (256 xq + xr))
+//                                + (zero - 8 scale) * sum(x).
 // int8: a tile-group is 512 bytes, eight 64-byte blocks: block j's byte 4r + i holds row r's code for
 //   input 4j + i, plus 128 (vpdpbusd multiplies unsigned bytes by signed ones); one bf16 scale per row.
 //   out[r] = scale * sum over groups of  dx / 256 * (sum(u * (256 xq + xr)) - 128 * sum(256 xq + xr)).
@@ -41,7 +42,7 @@ constexpr int64_t kGroup = 32;                     // inputs per scale and zero
 constexpr int64_t kCodeBytes = kRows * kGroup / 2;  // an int4 tile-group's codes
 constexpr int64_t kByteCodes = kRows * kGroup;      // an int8 tile-group's codes
 constexpr int64_t kBatch = 4;                      // input rows a pass over a tile
-constexpr int64_t kAhead = 8;                      // groups ahead to prefetch the codes of
+constexpr int64_t kAhead = 8;  // groups ahead to prefetch the codes of (past the end: prefetches never fault)
 
 // The input's rows quantized per group: int8 codes and their residues' codes (M, K); per group a
 // scale, the exact sum, and sum(256 code + residue) for int8's offset. x = scale * (code + residue /
@@ -111,7 +112,7 @@ inline __m512i group_dot(const __m512i (&v)[8], const int8_t* coarse, const int8
 // B input rows against one int4 tile of 16 output rows: out[b * out_stride + r].
 template <int B>
 void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, const QuantizedInput& x,
-          int64_t first_row, float* out, int64_t out_stride) {
+               int64_t first_row, float* out, int64_t out_stride) {
   const int64_t inputs = x.codes.size(1);
   const int8_t* xq = x.codes.data_ptr<int8_t>() + first_row * inputs;
   const int8_t* xr = x.residues.data_ptr<int8_t>() + first_row * inputs;
@@ -194,7 +195,7 @@ at::Tensor by_tiles(const at::Tensor& x, int64_t tiles, Tile&& tile) {
   return out;
 }
 
-void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params) {
+void check_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && params.dim() == 4, "int4_linear: x (M, K), codes "
               "(N/16, K/32, 256), params (N/16, K/32, 2, 16)");
   TORCH_CHECK(codes.scalar_type() == at::kByte && params.scalar_type() == at::kBFloat16,
@@ -208,7 +209,7 @@ void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& param
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params) {
-  check(x, codes, params);
+  check_int4(x, codes, params);
   const int64_t groups = codes.size(1);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* p = reinterpret_cast<const uint16_t*>(params.data_ptr<at::BFloat16>());

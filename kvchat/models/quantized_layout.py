@@ -1,0 +1,68 @@
+"""How the int4 and int8 kernels want their weights laid out: torch's int4 pack, and kvchat's tiles of
+16 rows by 32 inputs (kvchat/native/quantized_linear.cpp), with the inverses that read them back."""
+
+from __future__ import annotations
+
+import torch
+
+GROUP_SIZE = 32  # inputs per int4 scale and zero, as GGUF's Q4_0/Q4_1 blocks, and per kvchat tile-group
+TILE_ROWS = 16  # output rows per tile in kvchat's layouts
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """torch's layout for its int4 kernel on the codes' device, from (N, K) codes in 0..15."""
+    codes = codes.to(torch.int32)  # (N, K) in 0..15
+    if codes.device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # (N, K/2) uint8
+    # CUDA (untested here): two codes a byte, even index in the high nibble, then the tiled layout.
+    pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # (N, K/2)
+    inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (t * 16) == 0)
+    return torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
+
+
+def tile_int4(codes: torch.Tensor) -> torch.Tensor:
+    """kvchat's layout (quantized_linear.cpp): (N/16, K/32, 256) uint8, a tile of 16 rows by a group of 32
+    inputs as four 64-byte blocks; block i's byte 4r + j holds row r's code for input 4i + j in its low
+    nibble and for input 16 + 4i + j in its high one."""
+    rows, inputs = codes.shape
+    # (tile, row, group, half, i, j) for input 16 * half + 4i + j, then (tile, group, i, row, j, half)
+    split = codes.to(torch.uint8).reshape(rows // TILE_ROWS, TILE_ROWS, inputs // GROUP_SIZE, 2, 4, 4)
+    split = split.permute(0, 2, 4, 1, 5, 3)
+    packed = split[..., 0] | split[..., 1] << 4  # (tile, group, i, row, j)
+    return packed.reshape(rows // TILE_ROWS, inputs // GROUP_SIZE, -1).contiguous()
+
+
+def tile_params(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Scales and zeros (N, K/32) each as kvchat's kernel reads them: (N/16, K/32, 2, 16)."""
+    rows, groups = scales.shape
+    both = torch.stack([scales, zeros]).reshape(2, rows // TILE_ROWS, TILE_ROWS, groups)
+    return both.permute(1, 3, 0, 2).contiguous()
+
+
+def tile_int8(codes: torch.Tensor) -> torch.Tensor:
+    """kvchat's layout (quantized_linear.cpp): (N/16, K/32, 512) uint8, a tile of 16 rows by a group of
+    32 inputs as eight 64-byte blocks; block j's byte 4r + i holds row r's code for input 4j + i, plus
+    128."""
+    rows, inputs = codes.shape
+    shifted = (codes.to(torch.int16) + 128).to(torch.uint8)
+    # (tile, row, group, j, i) for input 4j + i, then (tile, group, j, row, i)
+    split = shifted.reshape(rows // TILE_ROWS, TILE_ROWS, inputs // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
+    return split.reshape(rows // TILE_ROWS, inputs // GROUP_SIZE, -1).contiguous()
+
+
+def untile_int8(tiled: torch.Tensor) -> torch.Tensor:
+    """The codes in kvchat's layout as (N, K) int16: `tile_int8` undone."""
+    tiles, groups, _ = tiled.shape
+    blocks = tiled.reshape(tiles, groups, 8, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)  # (tile, row, group, j, i)
+    return blocks.reshape(tiles * TILE_ROWS, groups * GROUP_SIZE).to(torch.int16) - 128
+
+
+def untile_int4(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """The weight in kvchat's layout, (N, K) in fp32: `tile_int4` and `tile_params` undone."""
+    tiles, groups, _ = packed.shape
+    blocks = packed.reshape(tiles, groups, 4, TILE_ROWS, 4)  # (tile, group, i, row, j)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1)  # (tile, group, i, row, j, half)
+    codes = codes.permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE_ROWS, groups * GROUP_SIZE)
+    scales, zeros = params.float().permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, groups)
+    scales, zeros = scales.repeat_interleave(GROUP_SIZE, 1), zeros.repeat_interleave(GROUP_SIZE, 1)
+    return (codes.float() - 8) * scales + zeros
