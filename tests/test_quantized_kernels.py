@@ -20,7 +20,7 @@ def _cpu_has_vnni() -> bool:
 
 
 pytestmark = pytest.mark.skipif(
-    not (has_cpp_compiler() and _cpu_has_vnni()), reason="the kernel is built for CPUs with AVX-512 VNNI"
+    not (has_cpp_compiler() and _cpu_has_vnni()), reason="the kernels are built for CPUs with AVX-512 VNNI"
 )
 
 
@@ -32,7 +32,7 @@ def _built() -> None:
 
 @dataclass
 class Weights:
-    """An int4 weight's parts in float64, each (N, K): weight = scaled_codes + offsets."""
+    """A quantized weight's parts in float64, each (N, K): weight = scaled_codes + offsets."""
 
     scaled_codes: torch.Tensor  # code * scale
     offsets: torch.Tensor  # zero - 8 * scale
