@@ -43,7 +43,7 @@ VERIFY_COSTS = {
 
 
 def quantized_kernel(model: nn.Module) -> str | None:
-    """ "int4" or "int8" where the model's decoder layers run kvchat's int4 or int8 kernel, else None."""
+    """Which of kvchat's quantized kernels the model's decoder layers run: "int4", "int8" or None."""
     kinds = {
         type(m) for m in model.modules() if isinstance(m, Int4Linear | Int8Linear) and m.kernel == "kvchat"
     }
