@@ -142,3 +142,20 @@ def test_a_torch_without_the_kernels_is_refused(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(ModelLoadError, match="_no_such_kernel"):
         quantize_model(model, "int4")
     assert isinstance(model[0], nn.Linear)
+
+
+def test_info_says_how_the_weights_are_stored_and_whose_kernels_run_them() -> None:
+    from kvchat.models.info import describe_quantization
+    from kvchat.native import kernels
+
+    ours = "kvchat" if kernels.int4_linear() is not None else "torch"
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    assert describe_quantization(model) == "none"
+    quantize_model(model, "int4")  # its output layer int8
+    assert describe_quantization(model) == f"int4 ({ours}'s kernels)"
+    int8 = make_tiny_model("llama", dtype=torch.bfloat16)
+    quantize_model(int8, "int8")
+    int8.lm_head = Int8Linear.from_linear(nn.Linear(64, 512), "torch")
+    assert describe_quantization(int8) == (
+        "int8 (kvchat and torch's kernels)" if ours == "kvchat" else "int8 (torch's kernels)"
+    )

@@ -36,7 +36,7 @@ def info(self: Shell, arg: str) -> ModelInfo:
       family          the model type in its config (llama, qwen2, ...) and its architecture
       parameters      the number of weights
       dtype           the weights dtype in use (auto resolved)
-      quantization    how the weights are stored (none: plain dtype)
+      quantization    how the weights are stored (none: plain dtype), and whose kernels run them
       decode          how single tokens run: compiled graph (--compile), lean step or module forward;
                       "attention by gather" where kvchat's attention kernel could not be built, and why
       context length  the most positions the model was trained for
@@ -49,7 +49,6 @@ def info(self: Shell, arg: str) -> ModelInfo:
     return replace(
         self.ctx.model_info(),
         source=describe_source(started.model),
-        quantization=str(getattr(started, "quantize", "none")),
     )
 
 

@@ -70,7 +70,21 @@ def model_info(
         block_size=block_size,
         device=str(param.device),
         threads=torch.get_num_threads(),
+        quantization=describe_quantization(model),
     )
+
+
+def describe_quantization(model: Any) -> str:
+    """How the linear weights are stored and whose kernels run them: "none", "int4 (kvchat's
+    kernels)", "int8 (torch's kernels)", ... (an int4 model's int8 output layer counts as int4's)."""
+    from kvchat.models.quantize import Int4Linear, Int8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
+    if not layers:
+        return "none"
+    mode = "int4" if any(isinstance(m, Int4Linear) for m in layers) else "int8"
+    owners = " and ".join(sorted({m.kernel for m in layers}))
+    return f"{mode} ({owners}'s kernels)"
 
 
 def num_weights(model: Any) -> int:
