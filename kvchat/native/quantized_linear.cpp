@@ -51,6 +51,26 @@ struct QuantizedInput {
   at::Tensor codes, residues, scales, sums, code_sums;
 };
 
+// Raw pointers to the rows of a QuantizedInput from `first` on, as a tile reads them.
+struct InputRows {
+  const int8_t *codes, *residues;
+  const float *scales, *sums;
+  const int32_t* code_sums;
+  int64_t inputs, groups;
+
+  InputRows(const QuantizedInput& x, int64_t first)
+      : inputs(x.codes.size(1)), groups(x.scales.size(1)) {
+    codes = x.codes.data_ptr<int8_t>() + first * inputs;
+    residues = x.residues.data_ptr<int8_t>() + first * inputs;
+    scales = x.scales.data_ptr<float>() + first * groups;
+    sums = x.sums.data_ptr<float>() + first * groups;
+    code_sums = x.code_sums.data_ptr<int32_t>() + first * groups;
+  }
+
+  // sum(weight code * (256 xq + xr)) of row b over group g, for 16 output rows (group_dot)
+  __m512i dot(const __m512i (&v)[8], int b, int64_t g) const;
+};
+
 QuantizedInput quantize_input(const at::Tensor& x) {
   const int64_t rows = x.size(0), inputs = x.size(1), groups = inputs / kGroup;
   const at::Tensor values = x.to(at::kFloat).contiguous();
@@ -109,15 +129,15 @@ inline __m512i group_dot(const __m512i (&v)[8], const int8_t* coarse, const int8
   return _mm512_add_epi32(_mm512_slli_epi32(coarse_sum, 8), _mm512_add_epi32(rest[0], rest[1]));
 }
 
+__m512i InputRows::dot(const __m512i (&v)[8], int b, int64_t g) const {
+  return group_dot(v, codes + b * inputs + g * kGroup, residues + b * inputs + g * kGroup);
+}
+
 // B input rows against one int4 tile of 16 output rows: out[b * out_stride + r].
 template <int B>
 void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, const QuantizedInput& x,
                int64_t first_row, float* out, int64_t out_stride) {
-  const int64_t inputs = x.codes.size(1);
-  const int8_t* xq = x.codes.data_ptr<int8_t>() + first_row * inputs;
-  const int8_t* xr = x.residues.data_ptr<int8_t>() + first_row * inputs;
-  const float* dx = x.scales.data_ptr<float>() + first_row * groups;
-  const float* xs = x.sums.data_ptr<float>() + first_row * groups;
+  const InputRows rows(x, first_row);
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512 minus_eight = _mm512_set1_ps(-8.0f);
   __m512 acc[B];
@@ -135,10 +155,10 @@ void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, con
     const __m512 offset = _mm512_fmadd_ps(minus_eight, scale, widen_bf16(params + g * 2 * kRows + kRows));
     for (int b = 0; b < B; ++b) {
       // |sum(code * (256 xq + xr))| <= 32 * 15 * (256 * 127 + 128) < 2^24: exact in int32 and fp32
-      const __m512i dot = group_dot(v, xq + b * inputs + g * kGroup, xr + b * inputs + g * kGroup);
-      const __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[b * groups + g] / 256.0f));
+      const __m512i dot = rows.dot(v, b, g);
+      const __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(rows.scales[b * groups + g] / 256.0f));
       acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), step, acc[b]);
-      acc[b] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[b * groups + g]), acc[b]);
+      acc[b] = _mm512_fmadd_ps(offset, _mm512_set1_ps(rows.sums[b * groups + g]), acc[b]);
     }
   }
   for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + b * out_stride, acc[b]);
@@ -148,11 +168,7 @@ void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, con
 template <int B>
 void int8_tile(const uint8_t* codes, const uint16_t* row_scales, int64_t groups, const QuantizedInput& x,
                int64_t first_row, float* out, int64_t out_stride) {
-  const int64_t inputs = x.codes.size(1);
-  const int8_t* xq = x.codes.data_ptr<int8_t>() + first_row * inputs;
-  const int8_t* xr = x.residues.data_ptr<int8_t>() + first_row * inputs;
-  const float* dx = x.scales.data_ptr<float>() + first_row * groups;
-  const int32_t* code_sums = x.code_sums.data_ptr<int32_t>() + first_row * groups;
+  const InputRows rows(x, first_row);
   __m512 acc[B];
   for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -162,10 +178,11 @@ void int8_tile(const uint8_t* codes, const uint16_t* row_scales, int64_t groups,
       v[j] = _mm512_loadu_si512(codes + g * kByteCodes + 64 * j);
     }
     for (int b = 0; b < B; ++b) {
-      __m512i dot = group_dot(v, xq + b * inputs + g * kGroup, xr + b * inputs + g * kGroup);
       // |sum(w * (256 xq + xr))| <= 32 * 128 * (256 * 127 + 128) < 2^31, exact in int32
-      dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * code_sums[b * groups + g]));
-      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dx[b * groups + g] / 256.0f), acc[b]);
+      const __m512i offset = _mm512_set1_epi32(128 * rows.code_sums[b * groups + g]);
+      const __m512i dot = _mm512_sub_epi32(rows.dot(v, b, g), offset);
+      const __m512 step = _mm512_set1_ps(rows.scales[b * groups + g] / 256.0f);
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), step, acc[b]);
     }
   }
   const __m512 scale = widen_bf16(row_scales);
