@@ -250,18 +250,25 @@ void by_head_size(int64_t D, F&& f) {
   }
 }
 
+// Calls f(C, t0, rows, count) for each tile of a KV head's rows, C the head size's vectors a row
+// (by_head_size; 0: no vector path).
+template <typename T, typename F>
+void each_tile(int64_t D, const HeadRows<T>& heads, F&& f) {
+  by_head_size(D, [&](auto vectors) {
+    const int64_t total = heads.total();
+    const T* rows[kTile];
+    for (int64_t t0 = 0; t0 < total; t0 += kTile) f(vectors, t0, rows, heads.tile(t0, rows));
+  });
+}
+
 // One KV head: scores (R, total) of the query rows q (R, D), already scaled.
 template <typename T>
 void head_scores(const float* q, int64_t R, int64_t D, const HeadRows<T>& heads, float* scores) {
-  by_head_size(D, [&](auto vectors) {
+  const int64_t total = heads.total();
+  each_tile(D, heads, [&](auto vectors, int64_t t0, const T* const* rows, int64_t count) {
     constexpr int C = decltype(vectors)::value;
-    const int64_t total = heads.total();
-    const T* rows[kTile];
-    for (int64_t t0 = 0; t0 < total; t0 += kTile) {
-      const int64_t count = heads.tile(t0, rows);
-      if constexpr (C > 0) scores_rows<T, C>(q, R, rows, count, scores + t0, total);
-      else scores_any<T>(q, R, D, rows, count, scores + t0, total);
-    }
+    if constexpr (C > 0) scores_rows<T, C>(q, R, rows, count, scores + t0, total);
+    else scores_any<T>(q, R, D, rows, count, scores + t0, total);
   });
 }
 
@@ -269,15 +276,11 @@ void head_scores(const float* q, int64_t R, int64_t D, const HeadRows<T>& heads,
 template <typename T>
 void head_mix(const float* probs, int64_t R, int64_t D, const HeadRows<T>& heads, float* out) {
   std::fill(out, out + R * D, 0.f);
-  by_head_size(D, [&](auto vectors) {
+  const int64_t total = heads.total();
+  each_tile(D, heads, [&](auto vectors, int64_t t0, const T* const* rows, int64_t count) {
     constexpr int C = decltype(vectors)::value;
-    const int64_t total = heads.total();
-    const T* rows[kTile];
-    for (int64_t t0 = 0; t0 < total; t0 += kTile) {
-      const int64_t count = heads.tile(t0, rows);
-      if constexpr (C > 0) mix_rows<T, C>(probs + t0, total, R, rows, count, out);
-      else mix_any<T>(probs + t0, total, R, D, rows, count, out);
-    }
+    if constexpr (C > 0) mix_rows<T, C>(probs + t0, total, R, rows, count, out);
+    else mix_any<T>(probs + t0, total, R, D, rows, count, out);
   });
 }
 
