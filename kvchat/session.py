@@ -12,7 +12,6 @@ from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import RepairStrategy, ReuseMode
 from kvchat.config import CacheSettings, DecodeSettings, ReuseSettings, Settings
-from kvchat.engine import native_attention
 from kvchat.engine.engine import Engine, kv_shape
 from kvchat.engine.paged_attention import KVPool
 from kvchat.engine.speculate import Speculation
@@ -20,7 +19,6 @@ from kvchat.errors import ConfigError, DraftModelError
 from kvchat.models.device import available_memory_bytes
 from kvchat.models.loader import LoadedModel, load_model
 from kvchat.models.progress import ProgressCallback, report
-from kvchat.native import kernels
 
 
 def open_session(settings: Settings, progress: ProgressCallback | None = None) -> ContextManager:
@@ -68,12 +66,7 @@ def make_engine(loaded: LoadedModel, settings: Settings, progress: ProgressCallb
     asked = (
         f"--kv-memory {cache.kv_memory_mb} MiB" if cache.ctx_size is None else f"--ctx-size {cache.ctx_size}"
     )
-    device = next(loaded.model.parameters()).device
-    check_kv_memory(budget, asked, device)
-    if native_attention.takes(loaded.dtype, device):
-        report(progress, kernels.LOADING, 0, 1)
-        native_attention.paged_decode_attention()
-        report(progress, kernels.LOADING, 1, 1)
+    check_kv_memory(budget, asked, next(loaded.model.parameters()).device)
     compiling = "Compiling the decode step (torch.compile, a minute or two)"
     if settings.model.compile:
         report(progress, compiling, 0, 1)

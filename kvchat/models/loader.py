@@ -66,9 +66,9 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     apply_threads(settings.threads)
     folder = _converted_folder(source, progress)
     dtype = choose_dtype(settings.dtype, device)
-    if settings.quantize != "none" and device.type == "cpu":
+    if device.type == "cpu":  # before quantizing: layers take kvchat's layout where its kernels are built
         report(progress, kernels.LOADING, 0, 1)
-        kernels.built()  # quantized layers take kvchat's layout where its kernels are built
+        kernels.built()
         report(progress, kernels.LOADING, 1, 1)
     description = f"loading {source.model_id}"
     report(progress, description, 0, 1)
