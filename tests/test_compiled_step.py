@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvchat.engine.compiled_step import FP32_PAST_UP_TO, MIN_PAST, can_compile, has_cpp_compiler
-from kvchat.engine.decode_step import pack_linears_
+from kvchat.engine.decode_step import pack_linears_, tile_linears_
 from kvchat.engine.engine import Engine
 from kvchat.models.quantize import quantize_model
 from kvchat.native import kernels
@@ -176,12 +176,15 @@ def test_attention_products_over_the_past_equal_fp32_ones(length):
     torch.testing.assert_close(mixed, probs.to(torch.bfloat16).float() @ values.float(), atol=0.01, rtol=0.01)
 
 
-def test_linears_packed_for_onednn_are_not_compiled():
+def test_linears_packed_for_onednn_are_not_compiled_tiled_ones_are():
     model = make_tiny_model("qwen2", dtype=torch.bfloat16)
     assert can_compile(model)
     pack_linears_(model)
     assert not can_compile(model)
     assert not engine_of(model, compile_decode=True).compiled
+    tiled = make_tiny_model("qwen2", dtype=torch.bfloat16)
+    if tile_linears_(tiled):
+        assert can_compile(tiled)
 
 
 # A block a little larger each time, as the graph's buffers grow with the context by a position a

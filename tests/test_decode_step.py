@@ -13,7 +13,9 @@ from kvchat.engine.compiled_step import has_cpp_compiler
 from kvchat.engine.decode_step import (
     MAX_LEAN_TOKENS,
     PackedLinear,
+    TiledLinear,
     can_pack,
+    can_tile,
     make_decode_step,
     pack_linears_,
     rms_norm,
@@ -112,8 +114,9 @@ def decode_logits(engine, prompt, steps):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
 @pytest.mark.parametrize("kernel", [True, False])
 def test_lean_step_equals_module_forward(kind, dtype, tol, kernel, monkeypatch):
-    """Lean step (with bf16 linears packed) against the module forward of an untouched twin model;
-    single tokens attend through kvchat's kernel, or, where it is not built, over gathered runs."""
+    """Lean step (with bf16 linears on kvchat's kernel, or packed for oneDNN where it is not built)
+    against the module forward of an untouched twin model; single tokens attend through kvchat's
+    kernel, or, where it is not built, over gathered runs."""
     if kernel and not has_cpp_compiler():
         pytest.skip("the kernel is built with a C++ compiler")
     if not kernel:
@@ -131,9 +134,12 @@ def test_lean_step_equals_module_forward(kind, dtype, tol, kernel, monkeypatch):
         prefill_chunk=512,
         lean_decode=False,
     )
-    if dtype == torch.bfloat16 and can_pack(nn.Linear(4, 4, dtype=dtype)):
-        assert any(isinstance(m, PackedLinear) for m in lean_engine.model.modules())
-    assert not any(isinstance(m, PackedLinear) for m in plain_engine.model.modules())
+    probe = nn.Linear(16, 16, dtype=dtype)
+    replaced = TiledLinear if can_tile(probe) else PackedLinear if can_pack(probe) else None
+    if dtype == torch.bfloat16 and replaced is not None:
+        assert all(type(m) is not nn.Linear for m in lean_engine.model.modules())
+        assert any(isinstance(m, replaced) for m in lean_engine.model.modules())
+    assert not any(isinstance(m, PackedLinear | TiledLinear) for m in plain_engine.model.modules())
     lean, plain = decode_logits(lean_engine, prompt, steps), decode_logits(plain_engine, prompt, steps)
     torch.testing.assert_close(lean.float(), plain.float(), atol=tol, rtol=0)
     if dtype == torch.float32:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvchat.native import kernels
+
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = [pytest.mark.packaging, pytest.mark.slow]
@@ -33,7 +35,7 @@ def test_the_wheel_carries_its_data_files_and_runs_without_the_source(tmp_path: 
     (wheel,) = (source / "dist").glob("kvchat-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     data = {"kvchat/configs/default.toml", "kvchat/configs/models.toml"}
-    data |= {"kvchat/native/paged_decode.cpp", "kvchat/native/quantized_linear.cpp"}
+    data |= {f"kvchat/native/{name}" for name in kernels.SOURCES}
     assert data <= names
 
     site = tmp_path / "site"

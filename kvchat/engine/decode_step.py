@@ -1,4 +1,4 @@
-"""Decoding on CPU through the model's own modules: the lean decode step and oneDNN-packed linears.
+"""Decoding on CPU through the model's own modules: the lean decode step and its bf16 linear layers.
 
 The lean step runs one token, or speculation's few, through a layer loop over the model's modules,
 without the module forward's cache and mask bookkeeping. For a 135M model the weights take ~20 ms a
@@ -8,11 +8,14 @@ calls the model's own modules (projections, MLP, rotary embedding), so replaced 
 Only families whose decoder layer it reproduces exactly take it (Llama, Qwen2, Qwen3, full
 attention); others keep the module forward.
 
-Linear layers packed for oneDNN (`pack_linears_`, every bf16 nn.Linear of a CPU model, for the module
-forward too): torch's bf16 `F.linear` of one token reads weights at 2-5 GB/s on these CPUs; the same
-matmul on a weight reordered once for oneDNN's kernels runs ~1.5x faster (SmolLM2 decode: ~1.4x a
-token), and no slower on a 512-token prefill. The packed weight is an opaque tensor, so it is kept out
-of the module's parameters (a tied output layer keeps the embedding's tensor and gets a packed copy).
+Its bf16 linear layers, and the module forward's, are replaced in place (`tile_linears_`,
+`pack_linears_`) by ones made for decoding. A decode token reads every weight once, so its linears'
+pace is the rate they read weights at. On these CPUs torch's bf16 `F.linear` of one row reads 5-11
+GB/s; oneDNN's kernel on a weight reordered once for it (`PackedLinear`) 6-17 GB/s; kvchat's kernel
+(`TiledLinear`, native/bf16_linear.cpp) on its tiles of 16 rows 20-28 GB/s, and as fast as oneDNN's
+GEMM on a 512-token prefill, so it serves every row count. oneDNN's serves CPUs without AVX-512 BF16.
+Either keeps its weight out of the module's parameters (the packed one is an opaque tensor; the tiles
+are a buffer): a tied output layer keeps the embedding's tensor and gets its own copy.
 """
 
 from __future__ import annotations
@@ -23,24 +26,62 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvchat.models import weight_layout as layout
+from kvchat.models.weight_layout import TILE_ROWS
+from kvchat.native import kernels
+
 FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
 RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})  # weight * normalized x
 MAX_LEAN_TOKENS = 16  # beyond speculation's drafts a forward is a prefill, where SDPA is the better kernel
 
 
+def is_cpu_bf16(module: nn.Module) -> bool:
+    """An exact nn.Linear with bf16 weights on a CPU."""
+    weight = module.weight if type(module) is nn.Linear else None
+    return isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+
+
+def can_tile(module: nn.Module) -> bool:
+    """A CPU bf16 linear of a shape kvchat's kernel takes (rows in tiles of 16, inputs in pairs), where
+    the kernel is built (AVX-512 BF16)."""
+    if not (is_cpu_bf16(module) and isinstance(module, nn.Linear)):
+        return False
+    fits = module.out_features % TILE_ROWS == 0 and module.in_features % 2 == 0
+    return fits and kernels.bf16_linear() is not None
+
+
 def can_pack(module: nn.Module) -> bool:
-    """An exact nn.Linear in bf16 on a CPU whose torch has oneDNN's packed linear kernels."""
+    """A CPU bf16 linear, where this torch has oneDNN's packed linear kernels."""
     return (
-        type(module) is nn.Linear
-        and module.weight.dtype == torch.bfloat16
-        and module.weight.device.type == "cpu"
+        is_cpu_bf16(module)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
 
 
+class TiledLinear(nn.Module):
+    """The drop-in replacement of a bf16 nn.Linear that runs kvchat's kernel over its weight's tiles."""
+
+    tiles: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("tiles", layout.tile_bf16(linear.weight.detach()))  # (out/16, in/2, 32)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (N, in)
+        out = torch.ops.kvchat.bf16_linear(rows, self.tiles, self.bias)  # (N, out)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16, kvchat's kernel"
+
+
 class PackedLinear(nn.Module):
-    """The drop-in replacement of a bf16 nn.Linear (same inputs and outputs, weight packed)."""
+    """The drop-in replacement of a bf16 nn.Linear that runs oneDNN's kernel over its packed weight."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -55,16 +96,25 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+def tile_linears_(model: nn.Module) -> int:
+    """Replace every linear of `model` that `can_tile` in place; returns how many were replaced."""
+    return _replace(model, can_tile, TiledLinear)
+
+
 def pack_linears_(model: nn.Module) -> int:
-    """Replace every packable linear of `model` in place; returns how many were replaced."""
+    """Replace every linear of `model` that `can_pack` in place; returns how many were replaced."""
+    return _replace(model, can_pack, PackedLinear)
+
+
+def _replace(model: nn.Module, wanted, replacement) -> int:
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and can_pack(child)
+        if isinstance(child, nn.Linear) and wanted(child)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, replacement(child))
     return len(targets)
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from kvchat.engine import native_attention
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, Sequence, chain_hash
 from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compile, quiet_compile
-from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step, pack_linears_
+from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step, pack_linears_, tile_linears_
 from kvchat.engine.paged_attention import ForwardCache, KVPool, PagedKV, cache_argument, position_slots
 from kvchat.errors import CacheFullError
 from kvchat.models.quantize import Int4Linear, Int8Linear
@@ -65,7 +65,8 @@ class Engine:
     ):
         self.model = model
         compile_decode = compile_decode and lean_decode and can_compile(model)
-        if lean_decode and not compile_decode:  # bf16 linears packed for oneDNN (in place)
+        if lean_decode and not compile_decode:  # bf16 linears on kvchat's kernel, else oneDNN's (in place)
+            tile_linears_(model)
             pack_linears_(model)
         self._decode_step = make_decode_step(model) if lean_decode else None
         self.block_size, self.prefill_chunk = block_size, prefill_chunk

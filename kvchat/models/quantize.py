@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelLoadError
-from kvchat.models import quantized_layout as layout
-from kvchat.models.quantized_layout import GROUP_SIZE, TILE_ROWS
+from kvchat.models import weight_layout as layout
+from kvchat.models.weight_layout import GROUP_SIZE, TILE_ROWS
 from kvchat.native import kernels
 
 QUANTIZE_MODES = ("none", "int8", "int4")

@@ -2,12 +2,15 @@
 - paged_decode.cpp: attention over the paged pool that reads each past row once in place
   (`paged_decode_attention`, `paged_attention`; engine/native_attention.py uses them);
 - quantized_linear.cpp: int4 and int8 linear layers at the machine's read bandwidth, on CPUs with
-  AVX-512 VNNI (`int4_linear`, `int8_linear`; models/quantize.py uses them).
+  AVX-512 VNNI (`int4_linear`, `int8_linear`; models/quantize.py uses them);
+- bf16_linear.cpp: the bf16 linear layer at the machine's read bandwidth, on CPUs with AVX-512 BF16
+  (`bf16_linear`; engine/decode_step.py's TiledLinear uses it).
 
 They are built at first use with the machine's C++ compiler (`torch.utils.cpp_extension`, ~15 s) for
 this CPU (`-march=native`), and cached by torch under a name that carries the CPU's features, so a
 cache shared between machines never serves one CPU another's build. Where they cannot be built,
-attention gathers the K/V and quantized layers run torch's own kernels; `build_error()` says why.
+attention gathers the K/V, quantized layers run torch's own kernels and bf16 ones oneDNN's;
+`build_error()` says why.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("paged_decode.cpp", "quantized_linear.cpp")
+SOURCES = ("paged_decode.cpp", "quantized_linear.cpp", "bf16_linear.cpp")
 FLAGS = ["-O3", "-march=native"]
 LOADING = "Loading kvchat's kernels (built at the first start on a machine, ~15 s)"  # for progress
 
@@ -41,16 +44,21 @@ def build_error() -> str | None:
 
 def int4_linear() -> Callable | None:
     """`kvchat::int4_linear`, or None where it is not built: no compiler, or no AVX-512 VNNI."""
-    return _quantized_op("int4_linear")
+    return _cpu_specific_op("int4_linear")
 
 
 def int8_linear() -> Callable | None:
     """`kvchat::int8_linear`, or None where it is not built: no compiler, or no AVX-512 VNNI."""
-    return _quantized_op("int8_linear")
+    return _cpu_specific_op("int8_linear")
 
 
-def _quantized_op(name: str) -> Callable | None:
-    # quantized_linear.cpp registers its ops only when compiled for AVX-512 VNNI
+def bf16_linear() -> Callable | None:
+    """`kvchat::bf16_linear`, or None where it is not built: no compiler, or no AVX-512 BF16."""
+    return _cpu_specific_op("bf16_linear")
+
+
+def _cpu_specific_op(name: str) -> Callable | None:
+    # the linear kernels are registered only when compiled for the instructions they need
     return getattr(torch.ops.kvchat, name, None) if built() else None
 
 
@@ -95,6 +103,12 @@ def _register_fakes() -> None:
             @torch.library.register_fake(name)
             def _(x, codes, params):
                 return x.new_empty((x.shape[0], codes.shape[0] * 16), dtype=torch.float32)
+
+    if hasattr(torch.ops.kvchat, "bf16_linear"):
+
+        @torch.library.register_fake("kvchat::bf16_linear")
+        def _(x, tiles, bias):
+            return x.new_empty((x.shape[0], tiles.shape[0] * 16))
 
 
 def _put_ninja_on_path() -> None:

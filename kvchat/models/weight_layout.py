@@ -1,5 +1,5 @@
-"""How the int4 and int8 kernels want their weights laid out: torch's int4 pack, and kvchat's tiles of
-16 rows by 32 inputs (kvchat/native/quantized_linear.cpp), with the inverses that read them back."""
+"""How the linear kernels want their weights laid out: torch's int4 pack, and kvchat's tiles of 16 rows
+(kvchat/native/quantized_linear.cpp, bf16_linear.cpp), with the inverses that read them back."""
 
 from __future__ import annotations
 
@@ -66,3 +66,18 @@ def untile_int4(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     scales, zeros = params.float().permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, groups)
     scales, zeros = scales.repeat_interleave(GROUP_SIZE, 1), zeros.repeat_interleave(GROUP_SIZE, 1)
     return (codes.float() - 8) * scales + zeros
+
+
+def tile_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """kvchat's layout (bf16_linear.cpp): (N/16, K/2, 32) bf16, a tile of 16 rows as K/2 64-byte
+    operands; operand p holds row r's inputs 2p and 2p + 1 at 2r and 2r + 1."""
+    rows, inputs = weight.shape
+    pairs = weight.to(torch.bfloat16).reshape(rows // TILE_ROWS, TILE_ROWS, inputs // 2, 2)
+    return pairs.permute(0, 2, 1, 3).reshape(rows // TILE_ROWS, inputs // 2, 2 * TILE_ROWS).contiguous()
+
+
+def untile_bf16(tiled: torch.Tensor) -> torch.Tensor:
+    """The (N, K) weight in kvchat's layout: `tile_bf16` undone."""
+    tiles, pairs, _ = tiled.shape
+    operands = tiled.reshape(tiles, pairs, TILE_ROWS, 2).permute(0, 2, 1, 3)  # (tile, row, pair, 2)
+    return operands.reshape(tiles * TILE_ROWS, 2 * pairs)

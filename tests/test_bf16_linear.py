@@ -1,0 +1,119 @@
+"""kvchat's bf16 kernel (`kvchat::bf16_linear`, through `TiledLinear`) against the float64 product of
+the same bf16 values, rounded once to bf16, and the layers `tile_linears_` replaces."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kvchat.engine.compiled_step import has_cpp_compiler
+from kvchat.engine.decode_step import TiledLinear, can_tile, tile_linears_
+from kvchat.models.weight_layout import tile_bf16, untile_bf16
+from kvchat.native import kernels
+
+
+def _cpu_has_bf16() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    return {"avx512f", "avx512_bf16"} <= flags
+
+
+pytestmark = pytest.mark.skipif(
+    not (has_cpp_compiler() and _cpu_has_bf16()), reason="the kernel is built for CPUs with AVX-512 BF16"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    assert kernels.bf16_linear() is not None, kernels.build_error()
+
+
+def make_linear(out_features: int, in_features: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
+
+
+def exact(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T + b in float64 over the bf16 values: what the kernel rounds once."""
+    out = x.double() @ linear.weight.double().T
+    return out if linear.bias is None else out + linear.bias.double()
+
+
+def rounding_bound(linear: nn.Linear, x: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Half a bf16 step of the exact result (the one rounding), plus what fp32's sums may lose."""
+    half_step = want.abs().clamp(min=2.0**-126) * 2.0**-8
+    return half_step + 2.0**-20 * (x.double().abs() @ linear.weight.double().abs().T)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_layer_equals_the_exact_product_rounded_once(rows: int, bias: bool) -> None:
+    linear = make_linear(80, 96, bias)
+    x = torch.randn(2, rows, 96, dtype=torch.bfloat16)
+    got = TiledLinear(linear)(x)
+    assert got.shape == (2, rows, 80) and got.dtype == torch.bfloat16
+    want = exact(linear, x)
+    assert ((got.double() - want).abs() <= rounding_bound(linear, x, want)).all()
+    # fp32's sums change the rounding of an entry only where the exact value is next to a tie
+    assert (got == want.to(torch.bfloat16)).float().mean() > 0.99
+
+
+def test_input_pairs_past_the_last_four_are_summed_too() -> None:
+    """44 inputs: 22 pairs, the kernel's steps of 4 pairs leave 2 for its tail."""
+    linear = make_linear(32, 44, bias=False)
+    x = torch.zeros(1, 44, dtype=torch.bfloat16)
+    x[0, -1] = 1.0  # only the last input counts
+    got = TiledLinear(linear)(x)
+    assert torch.equal(got[0], linear.weight[:, -1])
+
+
+def test_a_float32_input_is_taken_as_bf16() -> None:
+    linear = make_linear(32, 64, bias=True)
+    x = torch.randn(3, 64)
+    layer = TiledLinear(linear)
+    assert torch.equal(layer(x), layer(x.to(torch.bfloat16)))
+
+
+def test_threads_split_the_tiles_without_changing_a_bit() -> None:
+    layer = TiledLinear(make_linear(256, 128, bias=True))
+    x = torch.randn(9, 128, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        two = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_the_tiles_hold_the_weight() -> None:
+    weight = torch.randn(48, 20, dtype=torch.bfloat16)
+    tiles = tile_bf16(weight)
+    assert tiles.shape == (3, 10, 32)
+    assert torch.equal(tiles[1, 4, 2 * 5 : 2 * 5 + 2], weight[16 + 5, 8:10])  # tile 1, pair 4, row 5
+    assert torch.equal(untile_bf16(tiles), weight)
+
+
+def test_the_kernel_refuses_mismatched_shapes() -> None:
+    tiles = tile_bf16(torch.randn(32, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16_linear"):
+        torch.ops.kvchat.bf16_linear(torch.randn(2, 48, dtype=torch.bfloat16), tiles, None)
+    with pytest.raises(RuntimeError, match="bf16_linear"):
+        torch.ops.kvchat.bf16_linear(torch.randn(2, 64, dtype=torch.bfloat16), tiles, torch.zeros(16))
+    with pytest.raises(RuntimeError, match="bf16_linear"):
+        torch.ops.kvchat.bf16_linear(torch.randn(2, 64), tiles, None)
+
+
+def test_only_cpu_bf16_linears_of_whole_tiles_are_replaced() -> None:
+    model = nn.Sequential(
+        nn.Linear(8, 16),  # fp32
+        nn.Linear(8, 16, dtype=torch.bfloat16),
+        nn.Linear(8, 12, dtype=torch.bfloat16),  # 12 rows: no whole tile
+        nn.Embedding(4, 8, dtype=torch.bfloat16),
+    )
+    assert [can_tile(m) for m in model] == [False, True, False, False]
+    assert tile_linears_(model) == 1
+    assert [type(m) for m in model] == [nn.Linear, TiledLinear, nn.Linear, nn.Embedding]
