@@ -1,13 +1,14 @@
 """The decode step of one token as one compiled graph (`torch.compile`, inductor), opt-in.
 
-The eager lean step spends about half a token of a small model in per-op dispatch, and its packed
-linears read weights at ~10 GB/s. Compiled with frozen weights, inductor fuses the small ops into
-generated C++ and runs each linear through its own GEMV template over weights it packs once (~25 GB/s
-here); int8 and int4 layers (`--quantize`) run kvchat's own kernels in the graph (models/quantize.py),
-or inductor's weight-only templates where those are not built.
-A token takes a third to a half of the time. The price: compiling takes a minute or two at load, and
-bf16 and fp32 weights are packed into a second copy (prefill and speculation's few tokens keep the
-model's own; quantized ones on kvchat's kernels are read in place).
+The eager lean step spends about half of a small model's token in per-op dispatch. Compiled with
+frozen weights, inductor fuses the small ops into generated C++, calls them from a C++ wrapper, and
+runs each linear through its own GEMV template over weights it packs once (~25 GB/s here, and faster
+in a graph than kvchat's bf16 kernel, whose calls cost more there); int8 and int4 layers
+(`--quantize`) run kvchat's own kernels in the graph (models/quantize.py), or inductor's weight-only
+templates where those are not built. A token takes about 60% of the eager step's time. The price:
+compiling takes a minute or two at load, and bf16 and fp32 weights are packed into a second copy
+(prefill and speculation's few tokens keep the model's own; quantized ones on kvchat's kernels are
+read in place).
 
 The graph reads the K/V of earlier positions from the pool by slot (one dynamic length, so one
 compile serves every context) and returns the token's new K/V, which the caller writes once. Its
@@ -41,9 +42,12 @@ from kvchat.errors import ConfigError
 # oneDNN's kernel at every shape measured, so autotuning between the two only costs compile time);
 # quantized ones may take torch's kernel too, since the int4 template refuses some shapes.
 # Autotuning's reports (written to stderr) stay off the user's terminal.
+# The graph's wrapper, which calls its kernels in turn, is C++ (`cpp_wrapper`), not Python: ~15% less
+# time a SmolLM2 token, for ~30 s more of compiling.
 _QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
-PLAIN_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP", **_QUIET}
-QUANTIZED_OPTIONS = {"freezing": True, "max_autotune_gemm_backends": "CPP,ATEN", **_QUIET}
+_COMMON = {"freezing": True, "cpp_wrapper": True, **_QUIET}
+PLAIN_OPTIONS = {**_COMMON, "max_autotune_gemm_backends": "CPP"}
+QUANTIZED_OPTIONS = {**_COMMON, "max_autotune_gemm_backends": "CPP,ATEN"}
 # The graph's guards check the model's modules by their dicts' version tags, and walk them only where
 # one changed: ~0.6 ms of a ~15 ms SmolLM2 token less than checking every module each token.
 DYNAMO_OPTIONS = {"use_recursive_dict_tags_for_guards": True}
