@@ -15,7 +15,13 @@ from torch import nn
 from kvchat.engine import native_attention
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, Sequence, chain_hash
 from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compile, quiet_compile
-from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step, pack_linears_, tile_linears_
+from kvchat.engine.decode_step import (
+    MAX_LEAN_TOKENS,
+    TiledLinear,
+    make_decode_step,
+    pack_linears_,
+    tile_linears_,
+)
 from kvchat.engine.paged_attention import ForwardCache, KVPool, PagedKV, cache_argument, position_slots
 from kvchat.errors import CacheFullError
 from kvchat.models.quantize import Int4Linear, Int8Linear
@@ -33,12 +39,13 @@ def kv_shape(config) -> tuple[int, int, int]:
 # and its change per 1,000 tokens (SmolLM2, one thread; scripts/README.md, "Speculative decoding")
 VERIFY_COSTS = {
     "lean": (1.0, 0.0, 0.03, 0.025),
+    "lean-tiled": (1.0, 0.0, 0.09, 0.03),
     "lean-fp32": (1.7, 0.0, 0.04, 0.015),
     "lean-int4": (1.0, 0.0, 0.16, 0.04),
     "lean-int8": (1.0, 0.0, 0.13, 0.04),
-    "compiled": (3.4, -0.15, 0.14, 0.05),
-    "compiled-int4": (1.45, -0.04, 0.25, 0.05),
-    "compiled-int8": (1.4, -0.04, 0.2, 0.045),
+    "compiled": (3.55, -0.16, 0.13, 0.05),
+    "compiled-int4": (1.57, -0.045, 0.25, 0.05),
+    "compiled-int8": (1.54, -0.055, 0.2, 0.05),
 }
 
 
@@ -94,6 +101,7 @@ class Engine:
             self._warm_up()
         # kvchat's quantized kernels: a step's extra rows cost more of a token than bf16's (verify_cost)
         self._quantized = quantized_kernel(model)
+        self._tiled = any(isinstance(m, TiledLinear) for m in model.modules())
 
     @property
     def compiled(self) -> bool:
@@ -119,12 +127,13 @@ class Engine:
         against.
 
         Measured on SmolLM2-135M, one CPU thread (scripts/README.md, "Speculative decoding"), after ~50
-        tokens: on the lean step ~1 + 0.03k in bf16, ~1.7 + 0.04k in fp32 (MKL's fp32 product over a
-        few rows reads the weights at about half its one-row rate); with the compiled graph ~3.4 +
-        0.14k, as the drafts take the eager step over unpacked weights. kvchat's int4 and int8
-        kernels read their weights at the machine's bandwidth for one row, but each further row costs
-        them integer products: ~1 + 0.16k (int4) and ~1 + 0.13k (int8) on the lean step, ~1.45 +
-        0.25k and ~1.4 + 0.2k compiled. Each draft costs more as the context grows (its attention over
+        tokens: on the lean step ~1 + 0.09k in bf16 on kvchat's kernel (~1 + 0.03k on oneDNN's), ~1.7 +
+        0.04k in fp32 (MKL's fp32 product over a few rows reads the weights at about half its one-row
+        rate); with the compiled graph ~3.55 + 0.13k, as the drafts take the eager step over unpacked
+        weights. kvchat's kernels read their weights at the machine's bandwidth for one row, but each
+        further row costs them products (bf16 ones every four rows, integer ones each row in int4 and
+        int8): ~1 + 0.16k (int4) and ~1 + 0.13k (int8) on the lean step, ~1.55 + 0.25k and ~1.55 + 0.2k
+        compiled. Each draft costs more as the context grows (its attention over
         every position: +0.015-0.05 a draft per 1,000 tokens), and under `--compile` the fixed part
         shrinks, the graph's own token slowing with the context. Elsewhere (the module forward, a GPU)
         it is taken as bf16's."""
@@ -132,6 +141,8 @@ class Engine:
             costs = VERIFY_COSTS["compiled" + (f"-{self._quantized}" if self._quantized else "")]
         elif self._decode_step is not None and self._quantized:
             costs = VERIFY_COSTS[f"lean-{self._quantized}"]
+        elif self._decode_step is not None and self._tiled:
+            costs = VERIFY_COSTS["lean-tiled"]
         elif self._decode_step is not None and self.dtype == torch.float32 and self.device.type == "cpu":
             costs = VERIFY_COSTS["lean-fp32"]
         else:
