@@ -10,9 +10,10 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 from kvchat.engine.compiled_step import FP32_PAST_UP_TO, MIN_PAST, can_compile, has_cpp_compiler
-from kvchat.engine.decode_step import pack_linears_, tile_linears_
+from kvchat.engine.decode_step import TiledLinear, can_tile, pack_linears_, tile_linears_
 from kvchat.engine.engine import Engine
 from kvchat.models.quantize import quantize_model
 from kvchat.native import kernels
@@ -94,8 +95,14 @@ def test_compiled_step_without_the_kernel_gathers_and_equals_module_forward(with
 
 @compiles
 def test_compiled_step_in_bf16_stays_within_bf16_rounding():
+    """The graph multiplies by the layers' own weights; the eager steps (the prompt here) by their
+    tiles for kvchat's bf16 kernel, where it is built."""
     compiled = engine_of(make_tiny_model("qwen3", dtype=torch.bfloat16), compile_decode=True)
     plain = engine_of(make_tiny_model("qwen3", dtype=torch.bfloat16), compile_decode=False)
+    assert compiled.compiled
+    if can_tile(nn.Linear(16, 16, dtype=torch.bfloat16)):
+        tiled = [m for m in compiled.model.modules() if isinstance(m, TiledLinear)]
+        assert tiled and all(m.weight is not None for m in tiled)
     got, expected = decode_two_sequences(compiled), decode_two_sequences(plain)
     torch.testing.assert_close(got.float(), expected.float(), atol=0.15, rtol=0)
 

@@ -65,13 +65,18 @@ class TiledLinear(nn.Module):
     tiles: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("tiles", layout.tile_bf16(linear.weight.detach()))  # (out/16, in/2, 32)
+        self.weight = linear.weight if keep_weight else None
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and self.weight is not None:
+            # In the compiled graph inductor packs the weight for its own GEMV, faster there than
+            # this kernel's calls.
+            return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (N, in)
         out = torch.ops.kvchat.bf16_linear(rows, self.tiles, self.bias)  # (N, out)
         return out.view(*x.shape[:-1], self.out_features)
@@ -96,9 +101,10 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def tile_linears_(model: nn.Module) -> int:
-    """Replace every linear of `model` that `can_tile` in place; returns how many were replaced."""
-    return _replace(model, can_tile, TiledLinear)
+def tile_linears_(model: nn.Module, keep_weights: bool = False) -> int:
+    """Replace every linear of `model` that `can_tile` in place; returns how many were replaced. With
+    `keep_weights` each keeps its weight too, for a compiled graph (compiled_step.py)."""
+    return _replace(model, can_tile, lambda linear: TiledLinear(linear, keep_weights))
 
 
 def pack_linears_(model: nn.Module) -> int:

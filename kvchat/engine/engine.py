@@ -43,7 +43,7 @@ VERIFY_COSTS = {
     "lean-fp32": (1.7, 0.0, 0.04, 0.015),
     "lean-int4": (1.0, 0.0, 0.16, 0.04),
     "lean-int8": (1.0, 0.0, 0.13, 0.04),
-    "compiled": (3.55, -0.16, 0.13, 0.05),
+    "compiled": (1.6, -0.06, 0.18, 0.045),
     "compiled-int4": (1.57, -0.045, 0.25, 0.05),
     "compiled-int8": (1.54, -0.055, 0.2, 0.05),
 }
@@ -72,9 +72,10 @@ class Engine:
     ):
         self.model = model
         compile_decode = compile_decode and lean_decode and can_compile(model)
-        if lean_decode and not compile_decode:  # bf16 linears on kvchat's kernel, else oneDNN's (in place)
-            tile_linears_(model)
-            pack_linears_(model)
+        if lean_decode:  # bf16 linears on kvchat's kernel, else (not in a graph) oneDNN's, in place
+            tile_linears_(model, keep_weights=compile_decode)
+            if not compile_decode:
+                pack_linears_(model)
         self._decode_step = make_decode_step(model) if lean_decode else None
         self.block_size, self.prefill_chunk = block_size, prefill_chunk
         param = next(model.parameters())
@@ -129,8 +130,8 @@ class Engine:
         Measured on SmolLM2-135M, one CPU thread (scripts/README.md, "Speculative decoding"), after ~50
         tokens: on the lean step ~1 + 0.09k in bf16 on kvchat's kernel (~1 + 0.03k on oneDNN's), ~1.7 +
         0.04k in fp32 (MKL's fp32 product over a few rows reads the weights at about half its one-row
-        rate); with the compiled graph ~3.55 + 0.13k, as the drafts take the eager step over unpacked
-        weights. kvchat's kernels read their weights at the machine's bandwidth for one row, but each
+        rate); with the compiled graph ~1.6 + 0.18k, as the drafts take the eager step (over kvchat's
+        bf16 kernel; ~3.5 + 0.13k on `F.linear` where it is not built). kvchat's kernels read their weights at the machine's bandwidth for one row, but each
         further row costs them products (bf16 ones every four rows, integer ones each row in int4 and
         int8): ~1 + 0.16k (int4) and ~1 + 0.13k (int8) on the lean step, ~1.55 + 0.25k and ~1.55 + 0.2k
         compiled. Each draft costs more as the context grows (its attention over
