@@ -3,12 +3,13 @@
 The eager lean step spends about half of a small model's token in per-op dispatch. Compiled with
 frozen weights, inductor fuses the small ops into generated C++, calls them from a C++ wrapper, and
 runs each linear through its own GEMV template over weights it packs once (~25 GB/s here, and faster
-in a graph than kvchat's bf16 kernel, whose calls cost more there); int8 and int4 layers
-(`--quantize`) run kvchat's own kernels in the graph (models/quantize.py), or inductor's weight-only
-templates where those are not built. A token takes about 60% of the eager step's time. The price:
-compiling takes a minute or two at load, and bf16 and fp32 weights are packed into a second copy
-(prefill and speculation's few tokens keep the model's own; quantized ones on kvchat's kernels are
-read in place).
+in a graph than kvchat's bf16 kernel, whose calls cost more there: TiledLinear keeps its weight for
+it); int8 and int4 layers (`--quantize`) run kvchat's own kernels in the graph (models/quantize.py),
+or inductor's weight-only templates where those are not built. A token takes about 60% of the eager
+step's time. The price: compiling takes a minute or two at load, and bf16 and fp32 weights are packed
+into a second copy (quantized ones on kvchat's kernels are read in place). Prefill and speculation's
+few tokens take the eager step: in bf16 over a third copy, the tiles of kvchat's bf16 kernel, which
+checks 4 drafts at the cost of ~2.4 tokens where `F.linear` over the model's own weights took ~4.5.
 
 The graph reads the K/V of earlier positions from the pool by slot (one dynamic length, so one
 compile serves every context) and returns the token's new K/V, which the caller writes once. Its
@@ -24,8 +25,9 @@ import os
 import shutil
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch._dynamo.config as dynamo_config
@@ -34,7 +36,7 @@ from torch import nn
 from torch._dynamo.decorators import mark_unbacked
 
 from kvchat.engine import native_attention
-from kvchat.engine.decode_step import PackedLinear, make_decode_step, rms_norm, rope, rotation
+from kvchat.engine.decode_step import PackedLinear, TiledLinear, make_decode_step, rms_norm, rope, rotation
 from kvchat.engine.paged_attention import KVPool
 from kvchat.errors import ConfigError
 
@@ -46,6 +48,8 @@ from kvchat.errors import ConfigError
 # time a SmolLM2 token, for ~30 s more of compiling.
 _QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 _COMMON = {"freezing": True, "cpp_wrapper": True, **_QUIET}
+# mode="max-autotune" without its CUDA graphs, which never apply on CPU (inductor says so on stderr)
+COMPILE_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"max_autotune": True}
 PLAIN_OPTIONS = {**_COMMON, "max_autotune_gemm_backends": "CPP"}
 QUANTIZED_OPTIONS = {**_COMMON, "max_autotune_gemm_backends": "CPP,ATEN"}
 # The graph's guards check the model's modules by their dicts' version tags, and walk them only where
@@ -161,8 +165,8 @@ class CompiledDecodeStep:
         self.pool = pool
         keep_freed_memory()
         self.native = native_attention.for_pool(pool.keys.dtype, pool.keys.device) is not None
-        self.graph = torch.compile(_DecodeGraph(model, self.native), mode="max-autotune")
-        plain = all(type(module) is nn.Linear for module in _linear_layers(model))
+        self.graph = torch.compile(_DecodeGraph(model, self.native), options=COMPILE_OPTIONS)
+        plain = all(type(module) in (nn.Linear, TiledLinear) for module in _linear_layers(model))
         self.options = PLAIN_OPTIONS if plain else QUANTIZED_OPTIONS
 
     def __call__(
