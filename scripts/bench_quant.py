@@ -31,6 +31,7 @@ from bench_dtype import TEXT as RHINE
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+from kvchat.engine.decode_step import PackedLinear, TiledLinear
 from kvchat.models.gguf_quant import GGUFInt4Layers
 from kvchat.models.packaged import ensure_converted, packaged_gguf
 from kvchat.models.progress import quiet_transformers
@@ -153,12 +154,12 @@ def speed(args: argparse.Namespace) -> None:
 
 @torch.inference_mode()
 def kernels(args: argparse.Namespace) -> None:
-    """One bf16 token through each of Qwen2.5-3B's linear shapes: F.linear against torch's and kvchat's
-    int8 and int4 kernels."""
+    """One bf16 token through each of Qwen2.5-3B's linear shapes: F.linear against oneDNN's and kvchat's
+    bf16 kernels, and torch's and kvchat's int8 and int4 kernels."""
     shapes = (("q, o", 2048, 2048), ("k, v", 2048, 256), ("gate, up", 2048, 11008), ("down", 11008, 2048),
               ("head", 2048, 151936))  # fmt: skip
     print(f"1 thread, one token (M = 1), {args.repeats} interleaved rounds; median ms and speed-up over bf16")
-    quantized_kinds = ("int8 torch", "int8 kvchat", "int4 torch", "int4 kvchat")
+    quantized_kinds = ("bf16 oneDNN", "bf16 kvchat", "int8 torch", "int8 kvchat", "int4 torch", "int4 kvchat")
     print(
         "| layer | in x out | bf16 ms | bf16 GB/s | "
         + " | ".join(f"{k} ms | vs bf16" for k in quantized_kinds)
@@ -168,6 +169,8 @@ def kernels(args: argparse.Namespace) -> None:
     for name, in_features, out_features in shapes:
         linear = nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
         layers: dict[str, nn.Module] = {"bf16": linear}
+        layers["bf16 oneDNN"] = PackedLinear(linear)
+        layers["bf16 kvchat"] = TiledLinear(linear)
         layers["int8 torch"] = Int8Linear.from_linear(linear, "torch")
         layers["int8 kvchat"] = Int8Linear.from_linear(linear, "kvchat")
         layers["int4 torch"] = Int4Linear.from_linear(linear, "torch")

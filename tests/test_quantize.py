@@ -145,12 +145,21 @@ def test_a_torch_without_the_kernels_is_refused(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_info_says_how_the_weights_are_stored_and_whose_kernels_run_them() -> None:
+    from kvchat.engine.decode_step import PackedLinear, tile_linears_
     from kvchat.models.info import describe_quantization
     from kvchat.native import kernels
 
     ours = "kvchat" if kernels.int4_linear() is not None else "torch"
     model = make_tiny_model("llama", dtype=torch.bfloat16)
     assert describe_quantization(model) == "none"
+    bf16 = make_tiny_model("llama", dtype=torch.bfloat16)
+    tiled = tile_linears_(bf16) > 0  # where kvchat's bf16 kernel is built
+    if tiled:
+        assert describe_quantization(bf16) == "none (bf16 on kvchat's kernel)"
+    bf16.lm_head = PackedLinear(nn.Linear(64, 512, dtype=torch.bfloat16))
+    assert describe_quantization(bf16) == (
+        "none (bf16 on kvchat and oneDNN's kernels)" if tiled else "none (bf16 on oneDNN's kernel)"
+    )
     quantize_model(model, "int4")  # its output layer int8
     assert describe_quantization(model) == f"int4 ({ours}'s kernels)"
     int8 = make_tiny_model("llama", dtype=torch.bfloat16)

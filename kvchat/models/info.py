@@ -75,13 +75,20 @@ def model_info(
 
 
 def describe_quantization(model: Any) -> str:
-    """How the linear weights are stored and whose kernels run them: "none", "int4 (kvchat's
-    kernels)", "int8 (torch's kernels)", ... (an int4 model's int8 output layer counts as int4's)."""
+    """How the linear weights are stored and whose kernels run them: "none", "none (bf16 on kvchat's
+    kernel)", "int4 (kvchat's kernels)", "int8 (torch's kernels)", ... (an int4 model's int8 output
+    layer counts as int4's)."""
+    from kvchat.engine.decode_step import PackedLinear, TiledLinear
     from kvchat.models.quantize import Int4Linear, Int8Linear
 
     layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
     if not layers:
-        return "none"
+        modules = list(model.modules())
+        bf16_kinds = {"kvchat": TiledLinear, "oneDNN": PackedLinear}
+        found = [name for name, kind in bf16_kinds.items() if any(isinstance(m, kind) for m in modules)]
+        if not found:
+            return "none"
+        return f"none (bf16 on {' and '.join(found)}'s kernel{'s' if len(found) > 1 else ''})"
     mode = "int4" if any(isinstance(m, Int4Linear) for m in layers) else "int8"
     owners = " and ".join(sorted({m.kernel for m in layers}))
     return f"{mode} ({owners}'s kernels)"
