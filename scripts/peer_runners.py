@@ -12,7 +12,7 @@ from bench_common import DTYPES, QWEN25_3B
 from peer_gguf import weight_bytes
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from kvchat.engine.decode_step import PackedLinear
+from kvchat.engine.decode_step import PackedLinear, TiledLinear
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationStep, generate
@@ -66,10 +66,18 @@ def make_big_model(kind: str):
 
 def model_bytes(model) -> int:
     """Bytes a decode step reads: every weight but the input embedding (one row a token), which counts
-    only where it is the output layer too (tied); a packed linear's as the bf16 matrix it holds."""
+    only where it is the output layer too (tied); a packed linear's as the bf16 matrix it holds; a
+    tiled one's once where it keeps its weight too (for --compile's graph)."""
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    tensors = {t.data_ptr(): t.nbytes for t in [*model.parameters(), *model.buffers()] if t is not embedding}
+    twice = {
+        m.tiles.data_ptr() for m in model.modules() if isinstance(m, TiledLinear) and m.weight is not None
+    }
+    tensors = {
+        t.data_ptr(): t.nbytes
+        for t in [*model.parameters(), *model.buffers()]
+        if t is not embedding and t.data_ptr() not in twice
+    }
     if getattr(head, "weight", None) is embedding:
         tensors[embedding.data_ptr()] = embedding.nbytes
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
