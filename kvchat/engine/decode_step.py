@@ -15,7 +15,8 @@ GB/s; oneDNN's kernel on a weight reordered once for it (`PackedLinear`) 6-17 GB
 (`TiledLinear`, native/bf16_linear.cpp) on its tiles of 16 rows 20-28 GB/s, and as fast as oneDNN's
 GEMM on a 512-token prefill, so it serves every row count. oneDNN's serves CPUs without AVX-512 BF16.
 Either keeps its weight out of the module's parameters (the packed one is an opaque tensor; the tiles
-are a buffer): a tied output layer keeps the embedding's tensor and gets its own copy.
+are a buffer; under `--compile` a tiled layer keeps its weight too, for the graph): a tied output
+layer keeps the embedding's tensor and gets its own copy.
 """
 
 from __future__ import annotations

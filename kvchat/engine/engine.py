@@ -131,13 +131,13 @@ class Engine:
         tokens: on the lean step ~1 + 0.09k in bf16 on kvchat's kernel (~1 + 0.03k on oneDNN's), ~1.7 +
         0.04k in fp32 (MKL's fp32 product over a few rows reads the weights at about half its one-row
         rate); with the compiled graph ~1.6 + 0.18k, as the drafts take the eager step (over kvchat's
-        bf16 kernel; ~3.5 + 0.13k on `F.linear` where it is not built). kvchat's kernels read their weights at the machine's bandwidth for one row, but each
-        further row costs them products (bf16 ones every four rows, integer ones each row in int4 and
-        int8): ~1 + 0.16k (int4) and ~1 + 0.13k (int8) on the lean step, ~1.55 + 0.25k and ~1.55 + 0.2k
-        compiled. Each draft costs more as the context grows (its attention over
-        every position: +0.015-0.05 a draft per 1,000 tokens), and under `--compile` the fixed part
-        shrinks, the graph's own token slowing with the context. Elsewhere (the module forward, a GPU)
-        it is taken as bf16's."""
+        bf16 kernel; ~3.5 + 0.13k on `F.linear` where it is not built). kvchat's kernels read their
+        weights at the machine's bandwidth for one row, but each further row costs them products (bf16
+        ones every four rows, integer ones each row in int4 and int8): ~1 + 0.16k (int4) and ~1 +
+        0.13k (int8) on the lean step, ~1.55 + 0.25k and ~1.55 + 0.2k compiled. Each draft costs more
+        as the context grows (its attention over every position: +0.015-0.05 a draft per 1,000
+        tokens), and under `--compile` the fixed part shrinks, the graph's own token slowing with the
+        context. Elsewhere (the module forward, a GPU) it is taken as bf16's."""
         if self._compiled is not None:
             costs = VERIFY_COSTS["compiled" + (f"-{self._quantized}" if self._quantized else "")]
         elif self._decode_step is not None and self._quantized:
