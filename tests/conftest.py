@@ -16,6 +16,25 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def on_one_then_two_threads():
+    """Runs a function on one thread, then on two, and returns both results; the thread count is
+    restored after."""
+    import torch
+
+    def run(function):
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = function()
+            torch.set_num_threads(2)
+            return one, function()
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (packaged GGUF, converted once), fp32, with its tokenizer."""

@@ -75,17 +75,10 @@ def test_a_float32_input_is_taken_as_bf16() -> None:
     assert torch.equal(layer(x), layer(x.to(torch.bfloat16)))
 
 
-def test_threads_split_the_tiles_without_changing_a_bit() -> None:
+def test_threads_split_the_tiles_without_changing_a_bit(on_one_then_two_threads) -> None:
     layer = TiledLinear(make_linear(256, 128, bias=True))
     x = torch.randn(9, 128, dtype=torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = layer(x)
-        torch.set_num_threads(2)
-        two = layer(x)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_then_two_threads(lambda: layer(x))
     assert torch.equal(one, two)
 
 

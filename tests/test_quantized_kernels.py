@@ -146,17 +146,10 @@ def test_asking_for_kvchats_kernel_where_it_cannot_run_is_refused(monkeypatch: p
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_threads_split_the_rows_without_changing_a_bit(bits: int) -> None:
+def test_threads_split_the_rows_without_changing_a_bit(bits: int, on_one_then_two_threads) -> None:
     layer, _ = (make_layer if bits == 4 else make_int8_layer)(256, 128)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = layer(x)
-        torch.set_num_threads(2)
-        together = layer(x)
-    finally:
-        torch.set_num_threads(threads)
+    alone, together = on_one_then_two_threads(lambda: layer(x))
     assert torch.equal(alone, together)
 
 
