@@ -152,7 +152,7 @@ def test_interactive_terminal(tmp_path):
     env = {**user_env(tmp_path), "TERM": "xterm"}
     child = pexpect.spawn(
         KVCHAT[0],
-        KVCHAT[1:] + ["--max-tokens", "400"],
+        KVCHAT[1:] + ["--max-tokens", "4000"],  # longer than the 4 s it streams, even at ~150 tok/s
         env=env,
         timeout=120,
         dimensions=(40, 120),
