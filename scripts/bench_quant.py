@@ -31,7 +31,7 @@ from bench_dtype import TEXT as RHINE
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from kvchat.engine.decode_step import PackedLinear, TiledLinear
+from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
 from kvchat.models.gguf_quant import GGUFInt4Layers
 from kvchat.models.packaged import ensure_converted, packaged_gguf
 from kvchat.models.progress import quiet_transformers
@@ -170,7 +170,7 @@ def kernels(args: argparse.Namespace) -> None:
         linear = nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
         layers: dict[str, nn.Module] = {"bf16": linear}
         layers["bf16 oneDNN"] = PackedLinear(linear)
-        layers["bf16 kvchat"] = TiledLinear(linear)
+        layers["bf16 kvchat"] = TiledLinear.of(linear)
         layers["int8 torch"] = Int8Linear.from_linear(linear, "torch")
         layers["int8 kvchat"] = Int8Linear.from_linear(linear, "kvchat")
         layers["int4 torch"] = Int4Linear.from_linear(linear, "torch")

@@ -12,7 +12,7 @@ from bench_common import DTYPES, QWEN25_3B
 from peer_gguf import weight_bytes
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from kvchat.engine.decode_step import PackedLinear, TiledLinear
+from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationStep, generate

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from kvchat.engine.bf16_linears import TiledLinear, can_tile, fuse_tiled, tile_linears_
 from kvchat.engine.compiled_step import has_cpp_compiler
-from kvchat.engine.decode_step import TiledLinear, can_tile, tile_linears_
 from kvchat.models.weight_layout import tile_bf16, untile_bf16
 from kvchat.native import kernels
 
@@ -46,13 +46,14 @@ def rounding_bound(linear: nn.Linear, x: torch.Tensor, want: torch.Tensor) -> to
     return half_step + 2.0**-20 * (x.double().abs() @ linear.weight.double().abs().T)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 70])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_layer_equals_the_exact_product_rounded_once(rows: int, bias: bool) -> None:
-    linear = make_linear(80, 96, bias)
-    x = torch.randn(2, rows, 96, dtype=torch.bfloat16)
-    got = TiledLinear(linear)(x)
-    assert got.shape == (2, rows, 80) and got.dtype == torch.bfloat16
+@pytest.mark.parametrize("out_features", [80, 240])  # one row streams 8 tiles, then 4, 2, 1
+def test_the_layer_equals_the_exact_product_rounded_once(rows: int, bias: bool, out_features: int) -> None:
+    linear = make_linear(out_features, 96, bias)
+    x = torch.randn(1, rows, 96, dtype=torch.bfloat16)
+    got = TiledLinear.of(linear)(x)
+    assert got.shape == (1, rows, out_features) and got.dtype == torch.bfloat16
     want = exact(linear, x)
     assert ((got.double() - want).abs() <= rounding_bound(linear, x, want)).all()
     # fp32's sums change the rounding of an entry only where the exact value is next to a tie
@@ -64,22 +65,54 @@ def test_input_pairs_past_the_last_four_are_summed_too() -> None:
     linear = make_linear(32, 44, bias=False)
     x = torch.zeros(1, 44, dtype=torch.bfloat16)
     x[0, -1] = 1.0  # only the last input counts
-    got = TiledLinear(linear)(x)
+    got = TiledLinear.of(linear)(x)
     assert torch.equal(got[0], linear.weight[:, -1])
 
 
 def test_a_float32_input_is_taken_as_bf16() -> None:
     linear = make_linear(32, 64, bias=True)
     x = torch.randn(3, 64)
-    layer = TiledLinear(linear)
+    layer = TiledLinear.of(linear)
     assert torch.equal(layer(x), layer(x.to(torch.bfloat16)))
 
 
-def test_threads_split_the_tiles_without_changing_a_bit(on_one_then_two_threads) -> None:
-    layer = TiledLinear(make_linear(256, 128, bias=True))
-    x = torch.randn(9, 128, dtype=torch.bfloat16)
+@pytest.mark.parametrize("rows", [1, 9])
+def test_threads_split_the_tiles_without_changing_a_bit(on_one_then_two_threads, rows: int) -> None:
+    layer = TiledLinear.of(make_linear(400, 128, bias=True))
+    x = torch.randn(rows, 128, dtype=torch.bfloat16)
     one, two = on_one_then_two_threads(lambda: layer(x))
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_a_residual_is_added_to_the_rounded_output_as_bf16_adds(rows: int) -> None:
+    layer = TiledLinear.of(make_linear(208, 64, bias=True))
+    x, residual = (
+        torch.randn(rows, 64, dtype=torch.bfloat16),
+        torch.randn(rows, 208, dtype=torch.bfloat16) * 4,
+    )
+    assert torch.equal(layer.add_to(x, residual), residual + layer(x))
+
+
+def test_fused_layers_give_their_members_outputs_side_by_side() -> None:
+    members = [TiledLinear.of(make_linear(n, 64, bias=True, seed=n)) for n in (96, 32, 48)]
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    alone = [m(x) for m in members]
+    fused = fuse_tiled(members)
+    assert fused is not None and fused.out_features == 176
+    assert torch.equal(fused(x), torch.cat(alone, dim=-1))
+    # the members now read views of the fused tiles: the same outputs, the weights held once
+    assert all(torch.equal(m(x), want) for m, want in zip(members, alone, strict=True))
+    assert all(
+        m.tiles.untyped_storage().data_ptr() == fused.tiles.untyped_storage().data_ptr() for m in members
+    )
+
+
+def test_only_alike_tiled_layers_are_fused() -> None:
+    with_bias, without = TiledLinear.of(make_linear(32, 64, True)), TiledLinear.of(make_linear(32, 64, False))
+    assert fuse_tiled([with_bias, without]) is None
+    assert fuse_tiled([without, TiledLinear.of(make_linear(32, 96, False))]) is None
+    assert fuse_tiled([without, make_linear(32, 64, False)]) is None
 
 
 def test_the_tiles_hold_the_weight() -> None:

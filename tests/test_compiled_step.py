@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from kvchat.engine.bf16_linears import TiledLinear, can_tile, pack_linears_, tile_linears_
 from kvchat.engine.compiled_step import FP32_PAST_UP_TO, MIN_PAST, can_compile, has_cpp_compiler
-from kvchat.engine.decode_step import TiledLinear, can_tile, pack_linears_, tile_linears_
 from kvchat.engine.engine import Engine
 from kvchat.models.quantize import quantize_model
 from kvchat.native import kernels

@@ -9,18 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvchat.engine.bf16_linears import PackedLinear, TiledLinear, can_pack, can_tile, pack_linears_
 from kvchat.engine.compiled_step import has_cpp_compiler
-from kvchat.engine.decode_step import (
-    MAX_LEAN_TOKENS,
-    PackedLinear,
-    TiledLinear,
-    can_pack,
-    can_tile,
-    make_decode_step,
-    pack_linears_,
-    rms_norm,
-    rope,
-)
+from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step, rms_norm, rope
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
@@ -127,6 +118,8 @@ def test_lean_step_equals_module_forward(kind, dtype, tol, kernel, monkeypatch):
     )
     expected_path = "lean step" if kernel else "lean step, attention by gather (not built in this test)"
     assert lean_engine.decode_path == expected_path
+    # with the kernels, every layer in one op (decoder_layers); without, torch's ops a layer at a time
+    assert (lean_engine._decode_step.parts is not None) == kernel
     plain_engine = Engine(
         make_tiny_model(kind, dtype=dtype),
         kv_memory_bytes=1 << 22,
@@ -188,9 +181,10 @@ def test_lean_step_gives_the_same_greedy_text_on_smollm2(smollm2):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_lean_step_runs_quantized_linears_as_the_module_forward_does(mode):
-    """The lean step calls the model's own linear modules, so quantized ones give the module forward's
-    logits: the same kernels on inputs that differ by fp32's rounding of the ops around them, which the
-    int8 output layer's bf16 logits may turn into a unit or two of their last place."""
+    """The lean step runs quantized layers on their own kernels (inside decoder_layers, or as the model's
+    modules), so they give the module forward's logits: the same kernels on inputs that differ by
+    fp32's rounding of the ops around them, which the int8 output layer's bf16 logits may turn into a
+    unit or two of their last place."""
     from kvchat.models.quantize import quantize_model
 
     engines = []
@@ -201,6 +195,8 @@ def test_lean_step_runs_quantized_linears_as_the_module_forward_does(mode):
             Engine(model, kv_memory_bytes=1 << 22, block_size=16, prefill_chunk=512, lean_decode=lean)
         )
     assert engines[0]._decode_step is not None
+    # kvchat's int4 and int8 kernels run inside decoder_layers where they are built
+    assert (engines[0]._decode_step.parts is not None) == (kernels.int4_linear() is not None)
     prompt, steps = random_ids(37), random_ids(5, seed=2)
     lean, plain = (decode_logits(engine, prompt, steps) for engine in engines)
     torch.testing.assert_close(lean, plain, atol=1e-3, rtol=2**-7)

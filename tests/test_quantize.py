@@ -145,7 +145,7 @@ def test_a_torch_without_the_kernels_is_refused(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_info_says_how_the_weights_are_stored_and_whose_kernels_run_them() -> None:
-    from kvchat.engine.decode_step import PackedLinear, tile_linears_
+    from kvchat.engine.bf16_linears import PackedLinear, tile_linears_
     from kvchat.models.info import describe_quantization
     from kvchat.native import kernels
 

@@ -4,7 +4,7 @@ prompt-lookup match that pays for it."""
 import pytest
 import torch
 
-from kvchat.engine.decode_step import TiledLinear
+from kvchat.engine.bf16_linears import TiledLinear
 from kvchat.engine.engine import Engine
 from kvchat.engine.speculate import paying_ngram
 from kvchat.native import kernels

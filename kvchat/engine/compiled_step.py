@@ -36,7 +36,8 @@ from torch import nn
 from torch._dynamo.decorators import mark_unbacked
 
 from kvchat.engine import native_attention
-from kvchat.engine.decode_step import PackedLinear, TiledLinear, make_decode_step, rms_norm, rope, rotation
+from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
+from kvchat.engine.decode_step import make_decode_step, rms_norm, rope, rotation
 from kvchat.engine.paged_attention import KVPool
 from kvchat.errors import ConfigError
 

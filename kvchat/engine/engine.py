@@ -13,15 +13,10 @@ import torch
 from torch import nn
 
 from kvchat.engine import native_attention
+from kvchat.engine.bf16_linears import TiledLinear, pack_linears_, tile_linears_
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, Sequence, chain_hash
 from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compile, quiet_compile
-from kvchat.engine.decode_step import (
-    MAX_LEAN_TOKENS,
-    TiledLinear,
-    make_decode_step,
-    pack_linears_,
-    tile_linears_,
-)
+from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.paged_attention import ForwardCache, KVPool, PagedKV, cache_argument, position_slots
 from kvchat.errors import CacheFullError
 from kvchat.models.quantize import Int4Linear, Int8Linear

@@ -173,6 +173,59 @@ class PagedKV:
         out = out.to(query.dtype).view(num_heads, num_new, head_dim).transpose(0, 1)  # (q, Hq, D)
         return out.reshape(1, num_new, num_heads * head_dim)
 
+    @property
+    def in_place(self) -> bool:
+        """Whether attention reads the pool in place (kvchat's kernels are built for it), so that
+        `attend_projected` serves."""
+        return self.kernel is not None
+
+    def attend_projected(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        rotation: tuple[torch.Tensor, torch.Tensor],
+        norms: tuple[torch.Tensor | None, torch.Tensor | None, float],
+        num_heads: int,
+        scaling: float,
+    ) -> torch.Tensor:
+        """`attend` of a fused projection's new queries, keys and values, qkv (q, (Hq + 2 Hk) D), before
+        the rotation (cos, signed sin (q, D), as decode_step.rope takes them) and the per-head norms
+        (Qwen3's q_norm and k_norm weights, or None, and their eps): (q, Hq * D). Needs `in_place`."""
+        pool, (cos, signed_sin), (q_norm, k_norm, eps) = self.pool, rotation, norms
+        query = torch.ops.kvchat.rope_write(
+            qkv, cos, signed_sin, q_norm, k_norm, eps, pool.keys, pool.values, layer, self.slots, num_heads
+        )  # (Hk, G * q, D), the keys and values written
+        return torch.ops.kvchat.paged_attention_rows(
+            query, pool.keys, pool.values, layer, self._positions(), qkv.shape[0], scaling
+        )
+
+    def decoder_layers(
+        self,
+        hidden: torch.Tensor,
+        parts: list[torch.Tensor | None],
+        eps: float,
+        rotation: tuple[torch.Tensor, torch.Tensor],
+        num_heads: int,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Every decoder layer in one op (kvchat::decoder_layers; decode_step.layer_parts gives `parts`
+        and `eps`), each layer's K/V kept as `attend_projected` keeps them: hidden (q, d) -> (q, d).
+        Needs `in_place`."""
+        pool, (cos, signed_sin) = self.pool, rotation
+        return torch.ops.kvchat.decoder_layers(
+            hidden,
+            parts,
+            eps,
+            cos,
+            signed_sin,
+            pool.keys,
+            pool.values,
+            self.slots,
+            self._positions(),
+            num_heads,
+            scaling,
+        )
+
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> KVRuns:
         """Keep one layer's new K/V (1, Hk, q, D); return all of its K/V so far as runs, valid until the
         next call."""

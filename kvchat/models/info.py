@@ -78,7 +78,7 @@ def describe_quantization(model: Any) -> str:
     """How the linear weights are stored and whose kernels run them: "none", "none (bf16 on kvchat's
     kernel)", "int4 (kvchat's kernels)", "int8 (torch's kernels)", ... (an int4 model's int8 output
     layer counts as int4's)."""
-    from kvchat.engine.decode_step import PackedLinear, TiledLinear
+    from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
     from kvchat.models.quantize import Int4Linear, Int8Linear
 
     layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]

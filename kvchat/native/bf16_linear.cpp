@@ -1,16 +1,21 @@
 // The bf16 linear layer, registered for CPU as kvchat::bf16_linear (built by kernels.py) where the CPU
-// has AVX-512 BF16; elsewhere kvchat runs oneDNN's packed kernel (engine/decode_step.py).
+// has AVX-512 BF16; elsewhere kvchat runs oneDNN's packed kernel (engine/bf16_linears.py).
 //
 // A decode token's linears read every weight once, and nothing else: their pace is the machine's read
 // bandwidth. torch's bf16 F.linear reads a one-row product's weights at 5-11 GB/s here, and oneDNN's
-// on a packed weight at 6-17 GB/s; this kernel streams them at 20-28 GB/s (one thread, SmolLM2 and
-// Qwen2.5-3B shapes), as fast as inductor's generated GEMV, and as fast as oneDNN's GEMM at 512 rows.
+// on a packed weight at 6-17 GB/s; this kernel streams a whole SmolLM2 token's weights at 21-24 GB/s
+// (one thread), and is as fast as oneDNN's GEMM at 512 rows.
 //
 // The weight (written by models/weight_layout.py) is in tiles of 16 rows, each a run of 64-byte
 // vdpbf16ps operands: operand p holds inputs 2p and 2p + 1 of the tile's 16 rows (row r's pair in
 // bytes 4r..4r+3). Each operand is multiplied by the input's pair broadcast: the products are exact,
-// summed in fp32 (four chains an input row), the bias added, and the sum rounded to bf16 once, as
-// oneDNN's kernel does. With more input rows each tile is read once per 4 rows, from cache.
+// summed in fp32, the bias added, and the sum rounded to bf16 once, as oneDNN's kernel does. Given a
+// residual, the rounded output is added to it and rounded again: `residual + linear(x)` in bf16.
+//
+// One input row streams 8 tiles at once, one sum each, every line prefetched 16 lines ahead into L2:
+// 21-23 GB/s over a SmolLM2 token's weights where one tile at a time (four sums, prefetched into L1)
+// read 15-17. More input rows go 4 at a time over one tile (four sums a row), each tile read once per
+// 4 rows, from cache.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,9 +33,12 @@ namespace {
 
 constexpr int64_t kRows = 16;    // output rows a tile
 constexpr int64_t kPair = 32;    // bf16 values an operand: 16 rows by 2 inputs
-constexpr int kChains = 4;       // operands a step, each with its own sum
+constexpr int kChains = 4;       // operands a step, each with its own sum, with several input rows
 constexpr int64_t kBatch = 4;    // input rows a pass over a tile
-constexpr int64_t kAhead = 8;    // operands ahead to prefetch (past the end: prefetches never fault)
+constexpr int64_t kSpan = 8;     // tiles one input row streams at once
+constexpr int64_t kAhead = 16;   // operands ahead to prefetch (past the end: prefetches never fault)
+
+inline void prefetch(const uint16_t* w) { _mm_prefetch(reinterpret_cast<const char*>(w), _MM_HINT_T1); }
 
 inline __m512bh broadcast_pair(const uint16_t* x) {
   int32_t pair;
@@ -40,10 +48,43 @@ inline __m512bh broadcast_pair(const uint16_t* x) {
 
 inline __m512bh operand(const uint16_t* w) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(w)); }
 
-// B input rows (x, stride `inputs`) against one tile of `pairs` operands: out[b * out_stride + r], bf16.
+inline __m512 widen(const uint16_t* x) {  // 16 bf16 values as fp32: bf16 is fp32's upper half
+  const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+}
+
+// A tile's 16 sums plus the bias (if any), rounded to bf16, then plus the residual (if any), rounded.
+inline void finish(__m512 sum, const float* bias, const uint16_t* residual, uint16_t* out) {
+  if (bias) sum = _mm512_add_ps(sum, _mm512_loadu_ps(bias));
+  __m256bh rounded = _mm512_cvtneps_pbh(sum);
+  if (residual) rounded = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_cvtpbh_ps(rounded), widen(residual)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(rounded));
+}
+
+// One input row x against T consecutive tiles of `pairs` operands: out[r] (r < 16 T), bf16, plus
+// residual[r] where given; bias[r] where given.
+template <int T>
+void row_tiles(const uint16_t* w, int64_t pairs, const uint16_t* x, const float* bias, const uint16_t* residual,
+               uint16_t* out) {
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh pair = broadcast_pair(x + 2 * p);
+    for (int t = 0; t < T; ++t) {
+      const uint16_t* line = w + (t * pairs + p) * kPair;
+      prefetch(line + kAhead * kPair);
+      acc[t] = _mm512_dpbf16_ps(acc[t], operand(line), pair);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    finish(acc[t], bias ? bias + t * kRows : nullptr, residual ? residual + t * kRows : nullptr, out + t * kRows);
+}
+
+// B input rows (x, stride `inputs`) against one tile of `pairs` operands: out[b * out_stride + r], bf16,
+// plus residual[b * out_stride + r] where given.
 template <int B>
 void tile(const uint16_t* w, int64_t pairs, const uint16_t* x, int64_t inputs, const float* bias,
-          uint16_t* out, int64_t out_stride) {
+          const uint16_t* residual, uint16_t* out, int64_t out_stride) {
   __m512 acc[B][kChains];
   for (int b = 0; b < B; ++b)
     for (int c = 0; c < kChains; ++c) acc[b][c] = _mm512_setzero_ps();
@@ -51,7 +92,7 @@ void tile(const uint16_t* w, int64_t pairs, const uint16_t* x, int64_t inputs, c
   for (; p + kChains <= pairs; p += kChains) {
     __m512bh v[kChains];
     for (int c = 0; c < kChains; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (p + c + kAhead) * kPair), _MM_HINT_T0);
+      prefetch(w + (p + c + kAhead) * kPair);
       v[c] = operand(w + (p + c) * kPair);
     }
     for (int b = 0; b < B; ++b)
@@ -62,15 +103,32 @@ void tile(const uint16_t* w, int64_t pairs, const uint16_t* x, int64_t inputs, c
     const __m512bh v = operand(w + p * kPair);
     for (int b = 0; b < B; ++b) acc[b][0] = _mm512_dpbf16_ps(acc[b][0], v, broadcast_pair(x + b * inputs + 2 * p));
   }
-  const __m512 offset = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   for (int b = 0; b < B; ++b) {
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]), _mm512_add_ps(acc[b][2], acc[b][3]));
-    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(sum, offset));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * out_stride), reinterpret_cast<__m256i>(rounded));
+    finish(sum, bias, residual ? residual + b * out_stride : nullptr, out + b * out_stride);
   }
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, const std::optional<at::Tensor>& bias) {
+// One input row against tiles begin..end-1: kSpan at a time, then the rest in halves.
+void row(const uint16_t* w, int64_t pairs, const uint16_t* x, const float* bias, const uint16_t* residual,
+         uint16_t* out, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end;) {
+    const int64_t n = end - t >= kSpan ? kSpan : end - t >= 4 ? 4 : end - t >= 2 ? 2 : 1;
+    const uint16_t* wt = w + t * pairs * kPair;
+    const float* bt = bias ? bias + t * kRows : nullptr;
+    const uint16_t* rt = residual ? residual + t * kRows : nullptr;
+    switch (n) {
+      case kSpan: row_tiles<kSpan>(wt, pairs, x, bt, rt, out + t * kRows); break;
+      case 4: row_tiles<4>(wt, pairs, x, bt, rt, out + t * kRows); break;
+      case 2: row_tiles<2>(wt, pairs, x, bt, rt, out + t * kRows); break;
+      default: row_tiles<1>(wt, pairs, x, bt, rt, out + t * kRows); break;
+    }
+    t += n;
+  }
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && tiles.dim() == 3 && tiles.size(2) == kPair,
               "bf16_linear: x (M, K), tiles (N/16, K/2, 32)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && tiles.scalar_type() == at::kBFloat16,
@@ -83,12 +141,24 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, const std::
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == width, "bf16_linear: bias (N,)");
     offsets = bias->to(at::kFloat).contiguous();
   }
+  at::Tensor added;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == at::IntArrayRef({rows, width}) && residual->scalar_type() == at::kBFloat16,
+                "bf16_linear: residual (M, N), bf16");
+    added = residual->contiguous();
+  }
   const at::Tensor input = x.contiguous();
   at::Tensor out = at::empty({rows, width}, x.options());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
   const uint16_t* in = reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>());
   const float* b = bias.has_value() ? offsets.data_ptr<float>() : nullptr;
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const uint16_t* res = added.defined() ? reinterpret_cast<const uint16_t*>(added.data_ptr<at::BFloat16>()) : nullptr;
+  if (rows == 1) {
+    at::parallel_for(0, tiles.size(0), kSpan,
+                     [&](int64_t begin, int64_t end) { row(w, pairs, in, b, res, o, begin, end); });
+    return out;
+  }
   at::parallel_for(0, tiles.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint16_t* wt = w + t * pairs * kPair;
@@ -96,11 +166,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, const std::
       for (int64_t r = 0; r < rows; r += kBatch) {
         const uint16_t* xr = in + r * inputs;
         uint16_t* to = o + r * width + t * kRows;
+        const uint16_t* rt = res ? res + r * width + t * kRows : nullptr;
         switch (std::min(kBatch, rows - r)) {
-          case 4: tile<4>(wt, pairs, xr, inputs, bt, to, width); break;
-          case 3: tile<3>(wt, pairs, xr, inputs, bt, to, width); break;
-          case 2: tile<2>(wt, pairs, xr, inputs, bt, to, width); break;
-          default: tile<1>(wt, pairs, xr, inputs, bt, to, width); break;
+          case 4: tile<4>(wt, pairs, xr, inputs, bt, rt, to, width); break;
+          case 3: tile<3>(wt, pairs, xr, inputs, bt, rt, to, width); break;
+          case 2: tile<2>(wt, pairs, xr, inputs, bt, rt, to, width); break;
+          default: tile<1>(wt, pairs, xr, inputs, bt, rt, to, width); break;
         }
       }
     }
@@ -110,7 +181,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, const std::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kvchat, m) { m.def("bf16_linear(Tensor x, Tensor tiles, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(kvchat, m) {
+  m.def("bf16_linear(Tensor x, Tensor tiles, Tensor? bias, Tensor? residual=None) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(kvchat, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
 

@@ -1,6 +1,10 @@
 """Builds and registers kvchat's C++ kernels (`torch.ops.kvchat`):
 - paged_decode.cpp: attention over the paged pool that reads each past row once in place
-  (`paged_decode_attention`, `paged_attention`; engine/native_attention.py uses them);
+  (`paged_decode_attention`, `paged_attention`, `paged_attention_rows`; engine/native_attention.py
+  and the lean decode step use them);
+- decode_layer.cpp: a decoder layer's small steps between its products, one op each (`rms_norm`,
+  `rope_write`, `silu_mul`), and every decoder layer of a model in one (`decoder_layers`);
+  engine/decode_step.py uses them;
 - quantized_linear.cpp: int4 and int8 linear layers at the machine's read bandwidth, on CPUs with
   AVX-512 VNNI (`int4_linear`, `int8_linear`; models/quantize.py uses them);
 - bf16_linear.cpp: the bf16 linear layer at the machine's read bandwidth, on CPUs with AVX-512 BF16
@@ -27,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("paged_decode.cpp", "quantized_linear.cpp", "bf16_linear.cpp")
+SOURCES = ("paged_decode.cpp", "decode_layer.cpp", "quantized_linear.cpp", "bf16_linear.cpp")
 FLAGS = ["-O3", "-march=native"]
 LOADING = "Loading kvchat's kernels (built at the first start on a machine, ~15 s)"  # for progress
 
@@ -97,6 +101,27 @@ def _register_fakes() -> None:
     def _(query, keys, values, layer, slots, num_new, scale):
         return query.new_empty(query.shape, dtype=torch.float32)
 
+    @torch.library.register_fake("kvchat::paged_attention_rows")
+    def _(query, keys, values, layer, slots, num_new, scale):
+        return query.new_empty((num_new, query.numel() // num_new))
+
+    @torch.library.register_fake("kvchat::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("kvchat::rope_write")
+    def _(qkv, cos, signed_sin, q_norm, k_norm, eps, keys, values, layer, slots, num_heads):
+        num_kv_heads, head_dim = keys.shape[1], keys.shape[3]
+        return qkv.new_empty((num_kv_heads, num_heads // num_kv_heads * qkv.shape[0], head_dim))
+
+    @torch.library.register_fake("kvchat::decoder_layers")
+    def _(hidden, parts, eps, cos, signed_sin, keys, values, write_slots, read_slots, num_heads, scale):
+        return torch.empty_like(hidden)
+
+    @torch.library.register_fake("kvchat::silu_mul")
+    def _(gate_up):
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
     if hasattr(torch.ops.kvchat, "int4_linear"):
         for name in ("kvchat::int4_linear", "kvchat::int8_linear"):
 
@@ -107,7 +132,7 @@ def _register_fakes() -> None:
     if hasattr(torch.ops.kvchat, "bf16_linear"):
 
         @torch.library.register_fake("kvchat::bf16_linear")
-        def _(x, tiles, bias):
+        def _(x, tiles, bias, residual=None):
             return x.new_empty((x.shape[0], tiles.shape[0] * 16))
 
 

@@ -1,7 +1,8 @@
 // Attention over the paged K/V pool that reads each past key and value once, in place, by slot,
 // registered for CPU (built by kvchat/native/kernels.py):
 //   kvchat::paged_decode_attention  one token whose K/V are not in the pool yet (the compiled graph);
-//   kvchat::paged_attention         a few new tokens whose K/V the pool holds (the lean step).
+//   kvchat::paged_attention         a few new tokens whose K/V the pool holds (the lean step);
+//   kvchat::paged_attention_rows    the same, returned in the layout the output projection takes.
 //
 // fp32 arithmetic throughout: scores of the grouped query heads against the keys, a softmax, and the
 // values mixed by it. Gathering a layer's K/V first (1.5 MB each for SmolLM2 at 4,096 positions) and
@@ -389,6 +390,15 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
   return out;
 }
 
+// As paged_attention, returned as the new tokens' rows (num_new, Hq D) in the query's dtype: the
+// layout the attention's output projection takes.
+at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                                int64_t layer, const at::Tensor& slots, int64_t num_new, double scale) {
+  const at::Tensor out = paged_attention(query, keys, values, layer, slots, num_new, scale);  // (Hk, G q, D)
+  const int64_t heads = query.size(0) * query.size(1) / num_new, D = query.size(2);
+  return out.view({heads, num_new, D}).transpose(0, 1).reshape({num_new, heads * D}).to(query.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvchat, m) {
@@ -397,9 +407,12 @@ TORCH_LIBRARY_FRAGMENT(kvchat, m) {
       "int layer, Tensor slots, float scale) -> Tensor");
   m.def("paged_attention(Tensor query, Tensor keys, Tensor values, int layer, Tensor slots, int num_new, "
         "float scale) -> Tensor");
+  m.def("paged_attention_rows(Tensor query, Tensor keys, Tensor values, int layer, Tensor slots, int num_new, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_rows", &paged_attention_rows);
 }
