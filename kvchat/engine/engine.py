@@ -34,13 +34,13 @@ def kv_shape(config) -> tuple[int, int, int]:
 # and its change per 1,000 tokens (SmolLM2, one thread; scripts/README.md, "Speculative decoding")
 VERIFY_COSTS = {
     "lean": (1.0, 0.0, 0.03, 0.025),
-    "lean-tiled": (1.0, 0.0, 0.09, 0.03),
+    "lean-tiled": (1.0, 0.0, 0.2, 0.04),
     "lean-fp32": (1.7, 0.0, 0.04, 0.015),
-    "lean-int4": (1.0, 0.0, 0.16, 0.04),
-    "lean-int8": (1.0, 0.0, 0.13, 0.04),
-    "compiled": (1.6, -0.06, 0.18, 0.045),
-    "compiled-int4": (1.57, -0.045, 0.25, 0.05),
-    "compiled-int8": (1.54, -0.055, 0.2, 0.05),
+    "lean-int4": (1.0, 0.0, 0.265, 0.04),
+    "lean-int8": (1.0, 0.0, 0.2, 0.05),
+    "compiled": (1.0, 0.0, 0.18, 0.043),
+    "compiled-int4": (1.0, 0.0, 0.19, 0.05),
+    "compiled-int8": (1.0, 0.0, 0.155, 0.05),
 }
 
 
@@ -123,16 +123,15 @@ class Engine:
         against.
 
         Measured on SmolLM2-135M, one CPU thread (scripts/README.md, "Speculative decoding"), after ~50
-        tokens: on the lean step ~1 + 0.09k in bf16 on kvchat's kernel (~1 + 0.03k on oneDNN's), ~1.7 +
-        0.04k in fp32 (MKL's fp32 product over a few rows reads the weights at about half its one-row
-        rate); with the compiled graph ~1.6 + 0.18k, as the drafts take the eager step (over kvchat's
-        bf16 kernel; ~3.5 + 0.13k on `F.linear` where it is not built). kvchat's kernels read their
-        weights at the machine's bandwidth for one row, but each further row costs them products (bf16
-        ones every four rows, integer ones each row in int4 and int8): ~1 + 0.16k (int4) and ~1 +
-        0.13k (int8) on the lean step, ~1.55 + 0.25k and ~1.55 + 0.2k compiled. Each draft costs more
-        as the context grows (its attention over every position: +0.015-0.05 a draft per 1,000
-        tokens), and under `--compile` the fixed part shrinks, the graph's own token slowing with the
-        context. Elsewhere (the module forward, a GPU) it is taken as bf16's."""
+        tokens: ~1 + 0.2k in bf16 on kvchat's kernel (~1 + 0.03k on oneDNN's), ~1.7 + 0.04k in fp32
+        (MKL's fp32 product over a few rows reads the weights at about half its one-row rate), ~1 +
+        0.265k in int4 and ~1 + 0.2k in int8; under `--compile`, whose graph decodes single tokens at
+        the eager step's pace and whose drafts take the eager step, ~1 + 0.15-0.19k. kvchat's kernels
+        stream one row's weights at the machine's bandwidth, but further rows cost them products (bf16
+        ones every four rows, integer ones each row in int4 and int8), and once every decoder layer is
+        one native op little else is left of a token to share. Each draft costs more as the context
+        grows (its attention over every position: +0.015-0.05 a draft per 1,000 tokens). Elsewhere
+        (the module forward, a GPU) it is taken as oneDNN's bf16 costs."""
         if self._compiled is not None:
             costs = VERIFY_COSTS["compiled" + (f"-{self._quantized}" if self._quantized else "")]
         elif self._decode_step is not None and self._quantized:
