@@ -43,6 +43,7 @@ constexpr int64_t kCodeBytes = kRows * kGroup / 2;  // an int4 tile-group's code
 constexpr int64_t kByteCodes = kRows * kGroup;      // an int8 tile-group's codes
 constexpr int64_t kBatch = 4;                      // input rows a pass over a tile
 constexpr int64_t kAhead = 8;  // groups ahead to prefetch the codes of (past the end: prefetches never fault)
+constexpr int64_t kStreams = 4;  // int4 tiles one input row streams at once
 
 // The input's rows quantized per group: int8 codes and their residues' codes (M, K); per group a
 // scale, the exact sum, and sum(256 code + residue) for int8's offset. x = scale * (code + residue /
@@ -164,6 +165,39 @@ void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, con
   for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + b * out_stride, acc[b]);
 }
 
+// One input row against T consecutive int4 tiles at once, their codes prefetched into L2: on
+// Qwen2.5-3B's shapes 1.04-1.2x as fast as one tile at a time (prefetched into L1) over four runs;
+// on SmolLM2's, as fast. out[r], r < 16 T.
+template <int T>
+void int4_row_tiles(const uint8_t* codes, const uint16_t* params, int64_t groups, const QuantizedInput& x,
+                    float* out) {
+  const InputRows rows(x, 0);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512 minus_eight = _mm512_set1_ps(-8.0f);
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 step = _mm512_set1_ps(rows.scales[g] / 256.0f);
+    const __m512 sum = _mm512_set1_ps(rows.sums[g]);
+    for (int t = 0; t < T; ++t) {
+      const uint8_t* c = codes + (t * groups + g) * kCodeBytes;
+      const uint16_t* tile_params = params + (t * groups + g) * 2 * kRows;
+      __m512i v[8];
+      for (int i = 0; i < 4; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(c + kAhead * kCodeBytes + 64 * i), _MM_HINT_T1);
+        const __m512i raw = _mm512_loadu_si512(c + 64 * i);
+        v[i] = _mm512_and_si512(raw, low);
+        v[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      }
+      const __m512 scale = widen_bf16(tile_params);
+      const __m512 offset = _mm512_fmadd_ps(minus_eight, scale, widen_bf16(tile_params + kRows));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rows.dot(v, 0, g)), _mm512_mul_ps(scale, step), acc[t]);
+      acc[t] = _mm512_fmadd_ps(offset, sum, acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
+}
+
 // B input rows against one int8 tile of 16 output rows: out[b * out_stride + r].
 template <int B>
 void int8_tile(const uint8_t* codes, const uint16_t* row_scales, int64_t groups, const QuantizedInput& x,
@@ -187,6 +221,27 @@ void int8_tile(const uint8_t* codes, const uint16_t* row_scales, int64_t groups,
   }
   const __m512 scale = widen_bf16(row_scales);
   for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + b * out_stride, _mm512_mul_ps(acc[b], scale));
+}
+
+// One input row against every int4 tile, kStreams at a time (then 2, then 1): row_tiles(n, t, q, out)
+// computes tiles t..t+n-1. (int8 tiles streamed so read no faster than one at a time.)
+template <typename RowTiles>
+at::Tensor by_streams(const at::Tensor& x, int64_t tiles, RowTiles&& row_tiles) {
+  const QuantizedInput q = quantize_input(x);
+  at::Tensor out = at::empty({1, tiles * kRows}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, tiles, kStreams, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end;) {
+      const int64_t n = end - t >= kStreams ? kStreams : end - t >= 2 ? 2 : 1;
+      switch (n) {
+        case kStreams: row_tiles(std::integral_constant<int, kStreams>{}, t, q, o + t * kRows); break;
+        case 2: row_tiles(std::integral_constant<int, 2>{}, t, q, o + t * kRows); break;
+        default: row_tiles(std::integral_constant<int, 1>{}, t, q, o + t * kRows); break;
+      }
+      t += n;
+    }
+  });
+  return out;
 }
 
 // Each tile of 16 output rows against the input's rows, 4 at a time, the tiles split between threads.
@@ -230,6 +285,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t groups = codes.size(1);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* p = reinterpret_cast<const uint16_t*>(params.data_ptr<at::BFloat16>());
+  if (x.size(0) == 1)
+    return by_streams(x, codes.size(0), [&](auto streams, int64_t t, const QuantizedInput& q, float* to) {
+      const int64_t at = t * groups;
+      int4_row_tiles<decltype(streams)::value>(c + at * kCodeBytes, p + at * 2 * kRows, groups, q, to);
+    });
   return by_tiles(x, codes.size(0), [&](auto batch, int64_t t, const QuantizedInput& q, int64_t b, float* to,
                                         int64_t width) {
     int4_tile<decltype(batch)::value>(c + t * groups * kCodeBytes, p + t * groups * 2 * kRows, groups, q, b, to,
