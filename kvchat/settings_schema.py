@@ -60,9 +60,10 @@ class ModelSettings:
     )
     compile: bool = setting(
         False,
-        "Compile the decode step of Llama, Qwen2 and Qwen3 models on CPU with torch.compile: single "
-        "tokens decode 1.2-2.5x faster, after a compile of a minute or two at load; bf16/fp32 linear "
-        "weights get a second, packed copy (int8/int4 ones on kvchat's kernels do not).",
+        "Compile the decode step of Llama, Qwen2 and Qwen3 models on CPU with torch.compile. Where "
+        "kvchat's kernels are built it is no faster than the default step (every layer one native "
+        "op), after a compile of a minute or two at load; bf16/fp32 linear weights get a second, "
+        "packed copy (int8/int4 ones on kvchat's kernels do not).",
         flag="--compile",
         detail="Needs a C++ compiler. Other families and CUDA decode as without it.",
     )
