@@ -225,3 +225,11 @@ def test_fused_rms_norm_equals_the_families_module(kind, dtype, tol):
     norm.weight.data = torch.randn_like(norm.weight)
     x = (torch.randn(1, 3, norm.weight.shape[0]) * 3).to(dtype)
     torch.testing.assert_close(rms_norm(norm, x), norm(x), atol=tol, rtol=tol)
+
+
+def test_a_norm_of_another_dtype_keeps_the_layer_loop():
+    """decoder_layers takes norm weights of the model's dtype only; another keeps the loop in Python."""
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    model.model.layers[1].post_attention_layernorm.float()
+    engine = Engine(model, kv_memory_bytes=1 << 22, block_size=16, prefill_chunk=512)
+    assert engine._decode_step is not None and engine._decode_step.parts is None

@@ -110,23 +110,27 @@ def projection_parts(linear) -> list[torch.Tensor | None] | None:
 Parts = list[torch.Tensor | None]
 
 
-def layer_parts(layers, fused: list[FusedLayer], silu: bool) -> tuple[Parts, float] | None:
+def layer_parts(
+    layers, fused: list[FusedLayer], silu: bool, dtype: torch.dtype
+) -> tuple[Parts, float] | None:
     """What kvchat::decoder_layers takes for these layers (25 tensors a layer, in its order: the norms'
     weights, then each projection's `projection_parts`, a fused one in its first member's place) and
     their norms' eps; None unless every linear is one it takes, the MLPs silu ones and the norms the
-    families' RMSNorms of one eps."""
+    families' RMSNorms of one eps, their weights of the model's `dtype`."""
     parts: Parts = []
     eps: set[float] = set()
     for layer, fusion in zip(layers, fused, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         head_norms = [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
         norms = [layer.input_layernorm, layer.post_attention_layernorm, *head_norms]
-        if not silu or any(type(norm).__name__ not in RMS_NORMS for norm in norms):
+        if not silu or any(
+            type(norm).__name__ not in RMS_NORMS or norm.weight.dtype != dtype for norm in norms
+        ):
             return None
         eps.update(norm.variance_epsilon for norm in norms)
         parts += [norm.weight for norm in norms] + [None] * (4 - len(norms))
-        qkv = [fusion.qkv, None, None] if fusion.qkv else [attn.q_proj, attn.k_proj, attn.v_proj]
-        gate_up = [fusion.gate_up, None] if fusion.gate_up else [mlp.gate_proj, mlp.up_proj]
+        qkv = [fusion.qkv, None, None] if fusion.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up = [fusion.gate_up, None] if fusion.gate_up is not None else [mlp.gate_proj, mlp.up_proj]
         for linear in [*qkv, attn.o_proj, *gate_up, mlp.down_proj]:
             given = [None, None, None] if linear is None else projection_parts(linear)
             if given is None:
@@ -151,7 +155,7 @@ class LeanDecodeStep:
         silu = getattr(model.config, "hidden_act", None) == "silu"
         unfused = FusedLayer(None, None)
         self.fused = [FusedLayer.of(layer, silu) if self.native else unfused for layer in self.base.layers]
-        self.parts = layer_parts(self.base.layers, self.fused, silu) if self.native else None
+        self.parts = layer_parts(self.base.layers, self.fused, silu, param.dtype) if self.native else None
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVStore, num_logits: int
