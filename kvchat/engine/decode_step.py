@@ -93,16 +93,16 @@ class FusedLayer:
         return cls(qkv, gate_up)
 
 
-def projection_parts(linear) -> list[torch.Tensor | None] | None:
+def projection_parts(linear, dtype: torch.dtype) -> list[torch.Tensor | None] | None:
     """A linear layer as kvchat::decoder_layers takes it, (a, b, bias), or None where it takes no such
-    layer: bf16 tiles, kvchat's int4 or int8 codes with their scales, or a plain weight."""
+    layer: bf16 tiles, kvchat's int4 or int8 codes with their scales, or a plain weight of `dtype`."""
     if isinstance(linear, TiledLinear):
         return [linear.tiles, None, linear.bias]
     if isinstance(linear, Int4Linear) and linear.kernel == "kvchat":
         return [linear.packed, linear.scales_and_zeros, linear.bias]
     if isinstance(linear, Int8Linear) and linear.kernel == "kvchat":
         return [linear.codes, linear.scales, linear.bias]
-    if type(linear) is nn.Linear:
+    if type(linear) is nn.Linear and linear.weight.dtype == dtype:
         return [linear.weight, None, linear.bias]
     return None
 
@@ -132,7 +132,7 @@ def layer_parts(
         qkv = [fusion.qkv, None, None] if fusion.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
         gate_up = [fusion.gate_up, None] if fusion.gate_up is not None else [mlp.gate_proj, mlp.up_proj]
         for linear in [*qkv, attn.o_proj, *gate_up, mlp.down_proj]:
-            given = [None, None, None] if linear is None else projection_parts(linear)
+            given = [None, None, None] if linear is None else projection_parts(linear, dtype)
             if given is None:
                 return None
             parts += given
