@@ -145,10 +145,11 @@ def test_asking_for_kvchats_kernel_where_it_cannot_run_is_refused(monkeypatch: p
         Int4Linear.from_linear(linear, "kvchat")
 
 
-def test_one_row_streaming_int4_tiles_computes_each_row_as_the_rows_do() -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_one_row_streaming_tiles_computes_each_row_as_the_rows_do(bits: int) -> None:
     """One input row streams 4 tiles at once (then 2, then 1): the same sums, in the same order, as
     the passes over several rows."""
-    layer, _ = make_layer(16 * 7, 128)
+    layer, _ = (make_layer if bits == 4 else make_int8_layer)(16 * 7, 128)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     together = run_kernel(layer, x)
     assert all(torch.equal(run_kernel(layer, x[i : i + 1])[0], together[i]) for i in range(5))
