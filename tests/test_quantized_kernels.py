@@ -145,12 +145,13 @@ def test_asking_for_kvchats_kernel_where_it_cannot_run_is_refused(monkeypatch: p
         Int4Linear.from_linear(linear, "kvchat")
 
 
+@pytest.mark.parametrize("inputs", [128, 2048])  # int8 rows of 64 groups and more stream
 @pytest.mark.parametrize("bits", [4, 8])
-def test_one_row_streaming_tiles_computes_each_row_as_the_rows_do(bits: int) -> None:
-    """One input row streams 4 tiles at once (then 2, then 1): the same sums, in the same order, as
-    the passes over several rows."""
-    layer, _ = (make_layer if bits == 4 else make_int8_layer)(16 * 7, 128)
-    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+def test_one_row_computes_each_row_as_the_rows_do(bits: int, inputs: int) -> None:
+    """One input row (int8's long rows streaming 4 tiles at once, then 2, then 1) takes the same sums,
+    in the same order, as the passes over several rows."""
+    layer, _ = (make_layer if bits == 4 else make_int8_layer)(16 * 7, inputs)
+    x = torch.randn(5, inputs, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     together = run_kernel(layer, x)
     assert all(torch.equal(run_kernel(layer, x[i : i + 1])[0], together[i]) for i in range(5))
 
@@ -158,8 +159,9 @@ def test_one_row_streaming_tiles_computes_each_row_as_the_rows_do(bits: int) -> 
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_threads_split_the_rows_without_changing_a_bit(bits: int, rows: int, on_one_then_two_threads) -> None:
-    layer, _ = (make_layer if bits == 4 else make_int8_layer)(256, 128)
-    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3))
+    inputs = 128 if bits == 4 else 2048  # int8's one row streams from 64 groups
+    layer, _ = (make_layer if bits == 4 else make_int8_layer)(256, inputs)
+    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(3))
     alone, together = on_one_then_two_threads(lambda: layer(x))
     assert torch.equal(alone, together)
 

@@ -43,7 +43,8 @@ constexpr int64_t kCodeBytes = kRows * kGroup / 2;  // an int4 tile-group's code
 constexpr int64_t kByteCodes = kRows * kGroup;      // an int8 tile-group's codes
 constexpr int64_t kBatch = 4;                      // input rows a pass over a tile
 constexpr int64_t kAhead = 8;  // groups ahead to prefetch the codes of (past the end: prefetches never fault)
-constexpr int64_t kStreams = 4;  // tiles one input row streams at once
+constexpr int64_t kStreams = 4;  // int8 tiles one input row streams at once, where a row has at least
+constexpr int64_t kStreamGroups = 64;  // these groups (shorter ones decode faster a tile at a time)
 constexpr int64_t kByteAhead = 2;  // int8 groups ahead a streaming row prefetches (512 bytes each)
 
 // The input's rows quantized per group: int8 codes and their residues' codes (M, K); per group a
@@ -166,39 +167,6 @@ void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, con
   for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + b * out_stride, acc[b]);
 }
 
-// One input row against T consecutive int4 tiles at once, their codes prefetched into L2: on
-// Qwen2.5-3B's shapes 1.04-1.2x as fast as one tile at a time (prefetched into L1) over four runs;
-// on SmolLM2's, as fast. out[r], r < 16 T.
-template <int T>
-void int4_row_tiles(const uint8_t* codes, const uint16_t* params, int64_t groups, const QuantizedInput& x,
-                    float* out) {
-  const InputRows rows(x, 0);
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512 minus_eight = _mm512_set1_ps(-8.0f);
-  __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m512 step = _mm512_set1_ps(rows.scales[g] / 256.0f);
-    const __m512 sum = _mm512_set1_ps(rows.sums[g]);
-    for (int t = 0; t < T; ++t) {
-      const uint8_t* c = codes + (t * groups + g) * kCodeBytes;
-      const uint16_t* tile_params = params + (t * groups + g) * 2 * kRows;
-      __m512i v[8];
-      for (int i = 0; i < 4; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(c + kAhead * kCodeBytes + 64 * i), _MM_HINT_T1);
-        const __m512i raw = _mm512_loadu_si512(c + 64 * i);
-        v[i] = _mm512_and_si512(raw, low);
-        v[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-      }
-      const __m512 scale = widen_bf16(tile_params);
-      const __m512 offset = _mm512_fmadd_ps(minus_eight, scale, widen_bf16(tile_params + kRows));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rows.dot(v, 0, g)), _mm512_mul_ps(scale, step), acc[t]);
-      acc[t] = _mm512_fmadd_ps(offset, sum, acc[t]);
-    }
-  }
-  for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
-}
-
 // B input rows against one int8 tile of 16 output rows: out[b * out_stride + r].
 template <int B>
 void int8_tile(const uint8_t* codes, const uint16_t* row_scales, int64_t groups, const QuantizedInput& x,
@@ -225,8 +193,10 @@ void int8_tile(const uint8_t* codes, const uint16_t* row_scales, int64_t groups,
 }
 
 // One input row against T consecutive int8 tiles at once, their codes prefetched into L2 two groups
-// ahead: on Qwen2.5-3B's shapes 25 GB/s where one tile at a time (8 groups ahead into L1) read 20;
-// 4 or 8 groups ahead read no faster than one tile. out[r], r < 16 T.
+// ahead: on Qwen2.5-3B's shapes (64 and 344 groups a row) 23-25 GB/s where one tile at a time (8
+// groups ahead into L1) read 17-20; 4 or 8 groups ahead read no faster than one tile. On SmolLM2's
+// short rows (18 and 48 groups) it decoded 10-20% slower: each tile's first lines come unprefetched.
+// out[r], r < 16 T.
 template <int T>
 void int8_row_tiles(const uint8_t* codes, const uint16_t* row_scales, int64_t groups, const QuantizedInput& x,
                     float* out) {
@@ -252,7 +222,8 @@ void int8_row_tiles(const uint8_t* codes, const uint16_t* row_scales, int64_t gr
 }
 
 // One input row against every tile, kStreams at a time (then 2, then 1): row_tiles(n, t, q, out)
-// computes tiles t..t+n-1.
+// computes tiles t..t+n-1. (int4 tiles streamed so gained on Qwen2.5-3B's shapes no more than the
+// noise, and lost 15-18% on SmolLM2's.)
 template <typename RowTiles>
 at::Tensor by_streams(const at::Tensor& x, int64_t tiles, RowTiles&& row_tiles) {
   const QuantizedInput q = quantize_input(x);
@@ -313,11 +284,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t groups = codes.size(1);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* p = reinterpret_cast<const uint16_t*>(params.data_ptr<at::BFloat16>());
-  if (x.size(0) == 1)
-    return by_streams(x, codes.size(0), [&](auto streams, int64_t t, const QuantizedInput& q, float* to) {
-      const int64_t at = t * groups;
-      int4_row_tiles<decltype(streams)::value>(c + at * kCodeBytes, p + at * 2 * kRows, groups, q, to);
-    });
   return by_tiles(x, codes.size(0), [&](auto batch, int64_t t, const QuantizedInput& q, int64_t b, float* to,
                                         int64_t width) {
     int4_tile<decltype(batch)::value>(c + t * groups * kCodeBytes, p + t * groups * 2 * kRows, groups, q, b, to,
@@ -336,7 +302,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
               "int8_linear: shapes");
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
-  if (x.size(0) == 1)
+  if (x.size(0) == 1 && groups >= kStreamGroups)
     return by_streams(x, tiles, [&](auto streams, int64_t t, const QuantizedInput& q, float* to) {
       int8_row_tiles<decltype(streams)::value>(c + t * groups * kByteCodes, s + t * kRows, groups, q, to);
     });
