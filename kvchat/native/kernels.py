@@ -10,7 +10,7 @@
 - bf16_linear.cpp: the bf16 linear layer at the machine's read bandwidth, on CPUs with AVX-512 BF16
   (`bf16_linear`; engine/decode_step.py's TiledLinear uses it).
 
-They are built at first use with the machine's C++ compiler (`torch.utils.cpp_extension`, ~15 s) for
+They are built at first use with the machine's C++ compiler (`torch.utils.cpp_extension`, ~25 s) for
 this CPU (`-march=native`), and cached by torch under a name that carries the CPU's features, so a
 cache shared between machines never serves one CPU another's build. Where they cannot be built,
 attention gathers the K/V, quantized layers run torch's own kernels and bf16 ones oneDNN's;
@@ -33,7 +33,7 @@ import torch
 
 SOURCES = ("paged_decode.cpp", "decode_layer.cpp", "quantized_linear.cpp", "bf16_linear.cpp")
 FLAGS = ["-O3", "-march=native"]
-LOADING = "Loading kvchat's kernels (built at the first start on a machine, ~15 s)"  # for progress
+LOADING = "Loading kvchat's kernels (built at the first start on a machine, ~25 s)"  # for progress
 
 
 def built() -> bool:
