@@ -12,8 +12,8 @@ are a buffer; under `--compile` a tiled layer keeps its weight too, for the grap
 layer keeps the embedding's tensor and gets its own copy.
 
 A decoder layer's projections that read the same input (query, key and value; gate and up) are also
-fused into one tiled weight (`fuse_tiled`) for the lean step, one kernel call where there were two or
-three; the layers keep views of its tiles, so the weights are held once.
+fused into one tiled weight (`fuse_tiled`) for the lean step's decoder_layers, one kernel call where
+there were two or three; the layers keep views of its tiles, so the weights are held once.
 """
 
 from __future__ import annotations
@@ -78,13 +78,6 @@ class TiledLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (N, in)
         out = torch.ops.kvchat.bf16_linear(rows, self.tiles, self.bias)  # (N, out)
         return out.view(*x.shape[:-1], self.out_features)
-
-    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`residual + self(x)`, as bf16 rounds it, in the kernel's one call."""
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (N, in)
-        added = residual.reshape(-1, self.out_features)  # (N, out)
-        out = torch.ops.kvchat.bf16_linear(rows, self.tiles, self.bias, added)
-        return out.view(residual.shape)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16, kvchat's kernel"

@@ -11,16 +11,15 @@ its attention and silu(gate) * up are one C++ call each, its projections one cal
 additions inside the bf16 kernel. It takes the linear layers of kvchat's kernels (bf16, int4, int8)
 and plain ones (fp32).
 
-Other linear layers (oneDNN's packed bf16, torch's int4 and int8) keep a loop over the layers in
-Python, the model's modules called for them, with the same native steps between them where the
-kernels are built. Only families whose decoder layer it reproduces exactly take the lean step (Llama,
-Qwen2, Qwen3, full attention); others keep the module forward. Where the kernels cannot be built the
-loop runs torch's ops: the same arithmetic, in more of them.
+Other linear layers (oneDNN's packed bf16, torch's int4 and int8), or no kernels at all, keep the
+loop over the layers in Python, the model's modules called in turn: the same arithmetic in torch's
+ops (the RMSNorms kvchat's one op where it is built). Only families whose decoder layer it
+reproduces exactly take the lean step (Llama, Qwen2, Qwen3, full attention); others keep the module
+forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -40,7 +39,7 @@ NATIVE_DTYPES = frozenset({torch.float32, torch.bfloat16})  # what kvchat's deco
 class KVStore(Protocol):
     @property
     def in_place(self) -> bool:
-        """Whether `attend_projected` serves."""
+        """Whether `decoder_layers` serves (kvchat's kernels read the pool in place)."""
         ...
 
     def attend(
@@ -48,19 +47,6 @@ class KVStore(Protocol):
     ) -> torch.Tensor:
         """Keep one layer's new K/V (1, Hk, q, D); return the causal attention of the queries
         (1, Hq, q, D) over all of its K/V so far, (1, q, Hq * D)."""
-        ...
-
-    def attend_projected(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        rotation: tuple[torch.Tensor, torch.Tensor],
-        norms: tuple[torch.Tensor | None, torch.Tensor | None, float],
-        num_heads: int,
-        scaling: float,
-    ) -> torch.Tensor:
-        """`attend` of the new tokens' projections side by side, qkv (q, (Hq + 2 Hk) D), rotated (cos,
-        signed sin (q, D)) after the per-head norms (weights or None, eps) in the store: (q, Hq * D)."""
         ...
 
     def decoder_layers(
@@ -74,23 +60,6 @@ class KVStore(Protocol):
     ) -> torch.Tensor:
         """Every decoder layer in kvchat::decoder_layers (`layer_parts`), K/V kept: (q, d) -> (q, d)."""
         ...
-
-
-@dataclass
-class FusedLayer:
-    """A decoder layer's tiled projections fused (bf16_linears.fuse_tiled), where they could be."""
-
-    qkv: TiledLinear | None  # query, key and value side by side
-    gate_up: TiledLinear | None  # the MLP's gate and up side by side, its down tiled, its act silu
-
-    @classmethod
-    def of(cls, layer, silu: bool) -> FusedLayer:
-        """`layer`'s fusions; `silu`: whether its MLP's activation is silu (the config's hidden_act)."""
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = fuse_tiled([attn.q_proj, attn.k_proj, attn.v_proj])
-        tiled_down = isinstance(getattr(mlp, "down_proj", None), TiledLinear)
-        gate_up = fuse_tiled([mlp.gate_proj, mlp.up_proj]) if silu and tiled_down else None
-        return cls(qkv, gate_up)
 
 
 def projection_parts(linear, dtype: torch.dtype) -> list[torch.Tensor | None] | None:
@@ -110,28 +79,29 @@ def projection_parts(linear, dtype: torch.dtype) -> list[torch.Tensor | None] | 
 Parts = list[torch.Tensor | None]
 
 
-def layer_parts(
-    layers, fused: list[FusedLayer], silu: bool, dtype: torch.dtype
-) -> tuple[Parts, float] | None:
+def layer_parts(layers, silu: bool, dtype: torch.dtype) -> tuple[Parts, float] | None:
     """What kvchat::decoder_layers takes for these layers (25 tensors a layer, in its order: the norms'
-    weights, then each projection's `projection_parts`, a fused one in its first member's place) and
-    their norms' eps; None unless every linear is one it takes, the MLPs silu ones and the norms the
-    families' RMSNorms of one eps, their weights of the model's `dtype`."""
+    weights, then each projection's `projection_parts`) and their norms' eps; None unless every linear
+    is one it takes, the MLPs silu ones and the norms the families' RMSNorms of one eps, their weights
+    of the model's `dtype`. Tiled query, key and value (gate and up) are fused into one projection
+    (bf16_linears.fuse_tiled), given in the first one's place, the others' left None."""
     parts: Parts = []
     eps: set[float] = set()
-    for layer, fusion in zip(layers, fused, strict=True):
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         head_norms = [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
         norms = [layer.input_layernorm, layer.post_attention_layernorm, *head_norms]
-        if not silu or any(
-            type(norm).__name__ not in RMS_NORMS or norm.weight.dtype != dtype for norm in norms
-        ):
+        kinds = {(type(norm).__name__ in RMS_NORMS, norm.weight.dtype) for norm in norms}
+        if not silu or kinds != {(True, dtype)}:
             return None
         eps.update(norm.variance_epsilon for norm in norms)
         parts += [norm.weight for norm in norms] + [None] * (4 - len(norms))
-        qkv = [fusion.qkv, None, None] if fusion.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
-        gate_up = [fusion.gate_up, None] if fusion.gate_up is not None else [mlp.gate_proj, mlp.up_proj]
-        for linear in [*qkv, attn.o_proj, *gate_up, mlp.down_proj]:
+        qkv = fuse_tiled([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = fuse_tiled([mlp.gate_proj, mlp.up_proj])
+        projections = [qkv, None, None] if qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+        projections.append(attn.o_proj)
+        projections += [gate_up, None] if gate_up is not None else [mlp.gate_proj, mlp.up_proj]
+        for linear in [*projections, mlp.down_proj]:
             given = [None, None, None] if linear is None else projection_parts(linear, dtype)
             if given is None:
                 return None
@@ -151,11 +121,9 @@ class LeanDecodeStep:
         self.num_heads = model.config.num_attention_heads
         self.has_qk_norm = hasattr(first, "q_norm")
         param = next(model.parameters())
-        self.native = kernels.built() and param.device.type == "cpu" and param.dtype in NATIVE_DTYPES
+        native = kernels.built() and param.device.type == "cpu" and param.dtype in NATIVE_DTYPES
         silu = getattr(model.config, "hidden_act", None) == "silu"
-        unfused = FusedLayer(None, None)
-        self.fused = [FusedLayer.of(layer, silu) if self.native else unfused for layer in self.base.layers]
-        self.parts = layer_parts(self.base.layers, self.fused, silu, param.dtype) if self.native else None
+        self.parts = layer_parts(self.base.layers, silu, param.dtype) if native else None
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVStore, num_logits: int
@@ -163,48 +131,28 @@ class LeanDecodeStep:
         """Logits of the last `num_logits` of the tokens (num_logits, V). input_ids, position_ids (1, q)."""
         hidden = self.base.embed_tokens(input_ids)  # (1, q, d)
         cos, sin = rotation(self.base, hidden, position_ids)  # (1, 1, q, D) each
-        projected = self.native and kv.in_place
-        rotated = cos.view(-1, self.head_dim), sin.view(-1, self.head_dim)  # (q, D) each
-        if projected and self.parts is not None:
+        if self.parts is not None and kv.in_place:
             parts, eps = self.parts
+            rotated = cos.view(-1, self.head_dim), sin.view(-1, self.head_dim)  # (q, D) each
             hidden = kv.decoder_layers(hidden[0], parts, eps, rotated, self.num_heads, self.scaling)[None]
         else:
-            hidden = self._layers(hidden, kv, (cos, sin), rotated if projected else None)
+            hidden = self._layers(hidden, kv, cos, sin)
         hidden = rms_norm(self.base.norm, hidden[:, -num_logits:])  # (1, n, d)
         return self.lm_head(hidden)[0]  # (n, V)
 
-    def _layers(self, hidden, kv: KVStore, rotation, rotated) -> torch.Tensor:
-        """The decoder layers one op at a time; through `attend_projected` where `rotated` is given."""
-        cos, sin = rotation
-        for index, (layer, fused) in enumerate(zip(self.base.layers, self.fused, strict=True)):
+    def _layers(
+        self, hidden: torch.Tensor, kv: KVStore, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """The decoder layers a layer at a time, through the model's modules."""
+        for index, layer in enumerate(self.base.layers):
             attn = layer.self_attn
             x = rms_norm(layer.input_layernorm, hidden)  # (1, q, d)
-            if rotated is not None:
-                qkv = self._qkv(attn, fused, x)  # (q, (Hq + 2 Hk) D)
-                norms = self._qk_norms(attn)
-                out = kv.attend_projected(index, qkv, rotated, norms, self.num_heads, self.scaling)
-            else:
-                query, keys, values = self._project(attn, x)
-                query, keys = rope(query, cos, sin), rope(keys, cos, sin)
-                out = kv.attend(index, query, keys, values, self.scaling)  # (1, q, Hq*D)
-            hidden = add_linear(attn.o_proj, out, hidden)
-            x = rms_norm(layer.post_attention_layernorm, hidden)
-            if fused.gate_up is not None:
-                hidden = layer.mlp.down_proj.add_to(torch.ops.kvchat.silu_mul(fused.gate_up(x)), hidden)
-            else:
-                hidden = hidden + layer.mlp(x)
+            query, keys, values = self._project(attn, x)
+            query, keys = rope(query, cos, sin), rope(keys, cos, sin)
+            out = kv.attend(index, query, keys, values, self.scaling)  # (1, q, Hq*D)
+            hidden = hidden + attn.o_proj(out)
+            hidden = hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
         return hidden
-
-    def _qkv(self, attn, fused: FusedLayer, x: torch.Tensor) -> torch.Tensor:
-        """The projections side by side, (q, (Hq + 2 Hk) D), before the norms and RoPE."""
-        if fused.qkv is not None:
-            return fused.qkv(x).view(x.shape[1], -1)
-        return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1).view(x.shape[1], -1)
-
-    def _qk_norms(self, attn) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-        if not self.has_qk_norm:
-            return None, None, 0.0
-        return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon
 
     def _project(self, attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query (1, Hq, q, D), keys and values (1, Hk, q, D) before RoPE."""
@@ -214,13 +162,6 @@ class LeanDecodeStep:
             query, keys = rms_norm(attn.q_norm, query), rms_norm(attn.k_norm, keys)
         values = attn.v_proj(x).view(shape)
         return query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-
-
-def add_linear(linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """`residual + linear(x)`: in the tiled kernel's one call where the layer is tiled."""
-    if isinstance(linear, TiledLinear) and not torch.compiler.is_compiling():
-        return linear.add_to(x, residual)
-    return residual + linear(x)
 
 
 def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:

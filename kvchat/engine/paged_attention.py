@@ -176,28 +176,8 @@ class PagedKV:
     @property
     def in_place(self) -> bool:
         """Whether attention reads the pool in place (kvchat's kernels are built for it), so that
-        `attend_projected` serves."""
+        `decoder_layers` serves."""
         return self.kernel is not None
-
-    def attend_projected(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        rotation: tuple[torch.Tensor, torch.Tensor],
-        norms: tuple[torch.Tensor | None, torch.Tensor | None, float],
-        num_heads: int,
-        scaling: float,
-    ) -> torch.Tensor:
-        """`attend` of a fused projection's new queries, keys and values, qkv (q, (Hq + 2 Hk) D), before
-        the rotation (cos, signed sin (q, D), as decode_step.rope takes them) and the per-head norms
-        (Qwen3's q_norm and k_norm weights, or None, and their eps): (q, Hq * D). Needs `in_place`."""
-        pool, (cos, signed_sin), (q_norm, k_norm, eps) = self.pool, rotation, norms
-        query = torch.ops.kvchat.rope_write(
-            qkv, cos, signed_sin, q_norm, k_norm, eps, pool.keys, pool.values, layer, self.slots, num_heads
-        )  # (Hk, G * q, D), the keys and values written
-        return torch.ops.kvchat.paged_attention_rows(
-            query, pool.keys, pool.values, layer, self._positions(), qkv.shape[0], scaling
-        )
 
     def decoder_layers(
         self,
@@ -209,8 +189,8 @@ class PagedKV:
         scaling: float,
     ) -> torch.Tensor:
         """Every decoder layer in one op (kvchat::decoder_layers; decode_step.layer_parts gives `parts`
-        and `eps`), each layer's K/V kept as `attend_projected` keeps them: hidden (q, d) -> (q, d).
-        Needs `in_place`."""
+        and `eps`), each layer's new K/V written to the pool at `slots`: hidden (q, d) -> (q, d), the
+        rotation cos and signed sin (q, D) as decode_step.rope takes them. Needs `in_place`."""
         pool, (cos, signed_sin) = self.pool, rotation
         return torch.ops.kvchat.decoder_layers(
             hidden,

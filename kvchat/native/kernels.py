@@ -91,7 +91,8 @@ def _build() -> tuple[bool, str | None]:
 
 
 def _register_fakes() -> None:
-    """Output shapes for torch.compile's tracing."""
+    """Output shapes for torch.compile's tracing, of the ops the compiled graph calls (the lean step's
+    decoder-layer ops are never traced)."""
 
     @torch.library.register_fake("kvchat::paged_decode_attention")
     def _(query, own_keys, own_values, keys, values, layer, slots, scale):
@@ -100,27 +101,6 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvchat::paged_attention")
     def _(query, keys, values, layer, slots, num_new, scale):
         return query.new_empty(query.shape, dtype=torch.float32)
-
-    @torch.library.register_fake("kvchat::paged_attention_rows")
-    def _(query, keys, values, layer, slots, num_new, scale):
-        return query.new_empty((num_new, query.numel() // num_new))
-
-    @torch.library.register_fake("kvchat::rms_norm")
-    def _(x, weight, eps):
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("kvchat::rope_write")
-    def _(qkv, cos, signed_sin, q_norm, k_norm, eps, keys, values, layer, slots, num_heads):
-        num_kv_heads, head_dim = keys.shape[1], keys.shape[3]
-        return qkv.new_empty((num_kv_heads, num_heads // num_kv_heads * qkv.shape[0], head_dim))
-
-    @torch.library.register_fake("kvchat::decoder_layers")
-    def _(hidden, parts, eps, cos, signed_sin, keys, values, write_slots, read_slots, num_heads, scale):
-        return torch.empty_like(hidden)
-
-    @torch.library.register_fake("kvchat::silu_mul")
-    def _(gate_up):
-        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
     if hasattr(torch.ops.kvchat, "int4_linear"):
         for name in ("kvchat::int4_linear", "kvchat::int8_linear"):
