@@ -8,7 +8,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from kvchat.engine.paged_attention import cache_argument
+from kvchat.engine.forward_cache import cache_argument
 from kvchat.models.packaged import ensure_converted
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -23,8 +23,8 @@ from transformers import DynamicCache
 
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
+from kvchat.engine.forward_cache import cache_argument
 from kvchat.engine.generate import generate
-from kvchat.engine.paged_attention import cache_argument
 from kvchat.engine.sampling import SamplingParams
 
 

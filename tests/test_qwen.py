@@ -6,7 +6,7 @@ from kvchat.chunks.context import ContextManager
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import InferenceResult, Role
 from kvchat.engine.engine import Engine
-from kvchat.engine.paged_attention import cache_argument
+from kvchat.engine.forward_cache import cache_argument
 from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
 from tests.hf_tokenizers import (

@@ -20,7 +20,7 @@ from kvchat.chunks.compose import chunk_ranges
 from kvchat.chunks.reports import AttentionReport, ChunkAttention
 from kvchat.chunks.types import Role
 from kvchat.chunks.view_state import ViewState
-from kvchat.engine.paged_attention import cache_argument
+from kvchat.engine.forward_cache import cache_argument
 from kvchat.errors import ChunkError
 
 if TYPE_CHECKING:

@@ -16,7 +16,8 @@ import torch
 
 from kvchat.engine.block_manager import Sequence
 from kvchat.engine.engine import Engine
-from kvchat.engine.paged_attention import PagedKV, SelectiveCache, cache_argument
+from kvchat.engine.forward_cache import SelectiveCache, cache_argument
+from kvchat.engine.paged_attention import PagedKV
 
 
 @torch.inference_mode()

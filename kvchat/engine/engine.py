@@ -17,7 +17,8 @@ from kvchat.engine.bf16_linears import TiledLinear, pack_linears_, tile_linears_
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, Sequence, chain_hash
 from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compile, quiet_compile
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
-from kvchat.engine.paged_attention import ForwardCache, KVPool, PagedKV, cache_argument, position_slots
+from kvchat.engine.forward_cache import ForwardCache, cache_argument
+from kvchat.engine.paged_attention import KVPool, PagedKV, position_slots
 from kvchat.errors import CacheFullError
 from kvchat.models.quantize import Int4Linear, Int8Linear
 
