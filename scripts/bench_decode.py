@@ -1,7 +1,7 @@
 """Decode speed, side by side in one run: kvchat's paged loop with its lean decode step and with the
 module forward, and transformers' model.generate, on the same model, dtype, threads and prompt. (The
-lean engine packs the model's bf16 linears in place, so once it exists the other variants run on the
-packed linears too: the rows compare the decode loops, not the weight layout.)
+lean engine tiles the model's bf16 linears in place for kvchat's kernel, so once it exists the other
+variants run on the tiled linears too: the rows compare the decode loops, not the weight layout.)
 
     python scripts/bench_decode.py --dtype bf16 --contexts 512 4096 --tokens 64 --repeats 5
 
