@@ -2,8 +2,8 @@
 block boundaries, over a reused prefix whose blocks are not next to the sequence's own; it is taken
 only where it applies."""
 
-import random
 import json
+import random
 import resource
 import subprocess
 import sys
