@@ -53,11 +53,16 @@ inline __m512 widen(const uint16_t* x) {  // 16 bf16 values as fp32: bf16 is fp3
   return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
 }
 
-// A tile's 16 sums plus the bias (if any), rounded to bf16, then plus the residual (if any), rounded.
-inline void finish(__m512 sum, const float* bias, const uint16_t* residual, uint16_t* out) {
-  if (bias) sum = _mm512_add_ps(sum, _mm512_loadu_ps(bias));
-  __m256bh rounded = _mm512_cvtneps_pbh(sum);
-  if (residual) rounded = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_cvtpbh_ps(rounded), widen(residual)));
+inline __m512 bias_of(const float* bias) { return bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps(); }
+
+// A tile's 16 sums plus their bias (or zeros), rounded to bf16, then, where `kResidual`, plus the
+// residual, rounded again (a template argument: a branch there, in the loop over several rows, made a
+// 512-row prefill 1.25x slower).
+template <bool kResidual>
+inline void finish(__m512 sum, __m512 bias, const uint16_t* residual, uint16_t* out) {
+  __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(sum, bias));
+  if constexpr (kResidual)
+    rounded = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_cvtpbh_ps(rounded), widen(residual)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(rounded));
 }
 
@@ -76,13 +81,15 @@ void row_tiles(const uint16_t* w, int64_t pairs, const uint16_t* x, const float*
       acc[t] = _mm512_dpbf16_ps(acc[t], operand(line), pair);
     }
   }
-  for (int t = 0; t < T; ++t)
-    finish(acc[t], bias ? bias + t * kRows : nullptr, residual ? residual + t * kRows : nullptr, out + t * kRows);
+  for (int t = 0; t < T; ++t) {
+    const __m512 offset = bias_of(bias ? bias + t * kRows : nullptr);
+    if (residual) finish<true>(acc[t], offset, residual + t * kRows, out + t * kRows);
+    else finish<false>(acc[t], offset, nullptr, out + t * kRows);
+  }
 }
 
 // B input rows (x, stride `inputs`) against one tile of `pairs` operands: out[b * out_stride + r], bf16,
-// plus residual[b * out_stride + r] where `kResidual` (a template argument: a branch in the loop over
-// the rows made a 512-row prefill 1.25x slower).
+// plus residual[b * out_stride + r] where `kResidual`.
 template <int B, bool kResidual>
 void tile(const uint16_t* w, int64_t pairs, const uint16_t* x, int64_t inputs, const float* bias,
           const uint16_t* residual, uint16_t* out, int64_t out_stride) {
@@ -104,13 +111,10 @@ void tile(const uint16_t* w, int64_t pairs, const uint16_t* x, int64_t inputs, c
     const __m512bh v = operand(w + p * kPair);
     for (int b = 0; b < B; ++b) acc[b][0] = _mm512_dpbf16_ps(acc[b][0], v, broadcast_pair(x + b * inputs + 2 * p));
   }
-  const __m512 offset = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 offset = bias_of(bias);
   for (int b = 0; b < B; ++b) {
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]), _mm512_add_ps(acc[b][2], acc[b][3]));
-    __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(sum, offset));
-    if constexpr (kResidual)
-      rounded = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_cvtpbh_ps(rounded), widen(residual + b * out_stride)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * out_stride), reinterpret_cast<__m256i>(rounded));
+    finish<kResidual>(sum, offset, kResidual ? residual + b * out_stride : nullptr, out + b * out_stride);
   }
 }
 
