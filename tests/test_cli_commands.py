@@ -7,7 +7,7 @@ import pytest
 from kvchat.chunks.types import RepairStrategy, ReuseMode
 from kvchat.cli.arguments import MAX_FILE_BYTES
 from kvchat.cli.commands import Status
-from tests.fake_context import make_harness
+from tests.cli_harness import make_harness
 
 
 def test_chat_streams_the_answer_then_one_summary_line():

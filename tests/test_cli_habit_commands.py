@@ -6,7 +6,7 @@ import re
 import pytest
 
 from kvchat.cli.commands import Status
-from tests.fake_context import make_harness
+from tests.cli_harness import make_harness
 from tests.test_cli_app import Factory, invoke
 from tests.test_cli_habits import json_lines
 

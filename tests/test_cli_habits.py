@@ -8,7 +8,7 @@ import time
 from kvchat.cli import app as app_module
 from kvchat.cli.repl import short_name, toolbar
 from kvchat.cli.settings import setting_values
-from tests.fake_context import make_harness
+from tests.cli_harness import make_harness
 from tests.test_cli_app import Factory, invoke
 
 

@@ -7,7 +7,8 @@ import pytest
 from kvchat.chunks.types import InferenceResult, ReuseMode
 from kvchat.cli.commands import Status, consume
 from kvchat.errors import KvchatError
-from tests.fake_context import Response, fake_step, make_harness
+from tests.cli_harness import make_harness
+from tests.fake_context import Response, fake_step
 
 
 def interrupt_on_step(h, step_number):

@@ -150,7 +150,7 @@ def test_speculation_settings_are_checked_and_set_live():
     from kvchat.cli.commands import Status
     from kvchat.config import load_settings, replace_setting
     from kvchat.errors import ConfigError
-    from tests.fake_context import make_harness
+    from tests.cli_harness import make_harness
 
     assert (
         load_settings(None, {"decode": {"speculate": "prompt-lookup", "draft_max": 4}}).decode.draft_max == 4
