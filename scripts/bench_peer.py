@@ -9,17 +9,19 @@ kvchat.models.quantize; -compiled decodes through the compiled graph, --compile;
 prompt lookup) and llama-<BF16|Q8_0|Q4_1> (GGUF files of the packaged weights,
 scripts/peer_gguf.py). Parts: decode (tok/s and weight GB/s after ~50 and ~4,000 tokens of context,
 a free-writing and a copying prompt), ttft (cold, ~2,000 tokens; turn 2 reusing the first turn),
-bandwidth (one-thread read of 256 MB), big (a random-weight model shaped as Qwen2.5-3B, kvchat only).
+bandwidth (one-thread read of 256 MB), big (a random-weight model shaped as Qwen2.5-3B: kvchat's bf16 and
+the quantized kinds asked for, and llama.cpp's types asked for, on GGUF files of the same weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
 import torch
-from peer_gguf import packaged_as
+from peer_gguf import big_as, packaged_as
 from peer_runners import KvchatRunner, LlamaRunner, Runner, make_big_model, make_kvchat_models
 from transformers import AutoTokenizer
 
@@ -138,22 +140,53 @@ def run_ttft(runners: dict[str, Runner], tokenizer, args) -> None:
     )
 
 
+BIG_KINDS = ("bf16", "bf16-int8", "bf16-int4", "bf16-compiled", "bf16-int8-compiled", "bf16-int4-compiled")
+SAME_BYTES = {"bf16": "BF16", "bf16-int8": "Q8_0", "bf16-int4": "Q4_1"}  # llama.cpp's type for a kind
+
+
 def run_big(args) -> None:
-    kinds = ("bf16", "bf16-int8", "bf16-int4", "bf16-compiled", "bf16-int8-compiled", "bf16-int4-compiled")
-    kinds = tuple(k for k in kinds if k == "bf16" or f"kvchat-{k}" in args.variants)
-    rates, rows = {}, []
+    """kvchat and llama.cpp on one random-weight model with Qwen2.5-3B's shapes (seeded: the same
+    weights in both), each llama.cpp type measured right after the kvchat kind of its bytes."""
+    kinds = [k for k in BIG_KINDS if k == "bf16" or f"kvchat-{k}" in args.variants]
+    types = [t for t in SAME_BYTES.values() if f"llama-{t}" in args.variants]
+    missing = [t for t in types if not big_as(t, None, write=False).is_file()]
+    if missing:
+        model = make_big_model("bf16")
+        for type_name in missing:
+            big_as(type_name, model)
+        del model
+    order = []
     for kind in kinds:
-        model = make_big_model(kind)
-        runner = KvchatRunner(model, None, speculate=False, compile_decode=kind.endswith("-compiled"))
-        prompt = list(range(1000, 1050))
+        order.append(f"kvchat-{kind}")
+        if SAME_BYTES.get(kind) in types:
+            order.append(f"llama-{SAME_BYTES[kind]}")
+    order += [f"llama-{t}" for t in types if f"llama-{t}" not in order]
+    prompt = list(range(1000, 1050))
+    rates, bytes_read = {}, {}
+    for name in order:
+        if name.startswith("llama-"):
+            runner = LlamaRunner(big_as(name.removeprefix("llama-"), None))
+        else:
+            kind = name.removeprefix("kvchat-")
+            compiled = kind.endswith("-compiled")
+            runner = KvchatRunner(make_big_model(kind), None, False, compile_decode=compiled)
         runner.decode(prompt, 2)
-        rates[kind] = statistics.median(runner.decode(prompt, args.big_tokens) for _ in range(args.repeats))
-        gb_s = rates[kind] * runner.weight_bytes / 1e9
-        rows.append(f"| {kind} | {rates[kind]:.2f} | {gb_s:.1f} | {rates[kind] / rates['bf16']:.2f}x |")
-        del model, runner
+        rates[name] = statistics.median(runner.decode(prompt, args.big_tokens) for _ in range(args.repeats))
+        bytes_read[name] = runner.weight_bytes
+        del runner
+        gc.collect()
+    rows = []
+    for name in order:
+        engine_bf16 = "llama-BF16" if name.startswith("llama-") else "kvchat-bf16"
+        own = f"{rates[name] / rates[engine_bf16]:.2f}x" if engine_bf16 in rates else ""
+        peer = f"llama-{SAME_BYTES.get(name.removeprefix('kvchat-'))}"
+        beside = f"{rates[name] / rates[peer]:.2f}x" if name.startswith("kvchat-") and peer in rates else ""
+        gb_s = rates[name] * bytes_read[name] / 1e9
+        rows.append(f"| {name} | {rates[name]:.2f} | {gb_s:.1f} | {own} | {beside} |")
     table(
-        "Random-weight model with Qwen2.5-3B's shapes, ~50 tokens of context",
-        "| kvchat | tok/s | GB/s | vs bf16 |",
+        f"Random-weight model with Qwen2.5-3B's shapes, ~50 tokens of context, {args.big_tokens} tokens, "
+        f"median of {args.repeats}",
+        "| variant | tok/s | weights GB/s | vs its engine's bf16 | vs llama.cpp, same bytes |",
         rows,
     )
 

@@ -58,3 +58,79 @@ def _rewrite(source: Path, target: Path, qtype: gguf.GGMLQuantizationType) -> No
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def big_as(type_name: str, model, write: bool = True) -> Path:
+    """`model` (make_big_model's, Qwen2.5-3B's shapes, its weights seeded) as a GGUF file whose
+    matrices are `type_name`, the tied embedding in Q8_0 where they are 4-bit (as in the packaged file,
+    and as kvchat's int4 keeps its output layer in int8). Its tokenizer is the packaged one, padded to
+    the model's vocabulary: the benchmark feeds token ids."""
+    target = cache_dir() / "bench" / f"qwen2.5-3b-shaped-seed{BIG_SEED}.{type_name}.gguf"
+    if write and not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        _write_big(model, partial, gguf.GGMLQuantizationType[type_name])
+        partial.rename(target)
+    return target
+
+
+BIG_SEED = 0  # make_big_model's weights
+HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _gguf_name(name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    _, _, layer, rest = name.split(".", 3)  # model.layers.N.<module>.<weight|bias>
+    module, _, kind = rest.rpartition(".")
+    return f"blk.{layer}.{HF_TO_GGUF[module]}.{kind}"
+
+
+def _write_big(model, target: Path, qtype: gguf.GGMLQuantizationType) -> None:
+    config = model.config
+    writer = gguf.GGUFWriter(target, "qwen2")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    source = gguf.GGUFReader(packaged_gguf())
+    tokens = source.fields[gguf.Keys.Tokenizer.LIST].contents()
+    padding = config.vocab_size - len(tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list([*tokens, *(f"[PAD{i}]" for i in range(padding))])
+    types = source.fields[gguf.Keys.Tokenizer.TOKEN_TYPE].contents()
+    writer.add_token_types([*types, *[gguf.TokenType.UNUSED] * padding])
+    writer.add_token_merges(source.fields[gguf.Keys.Tokenizer.MERGES].contents())
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    four_bit = qtype in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied to the embedding
+        values = tensor.float().numpy()
+        if values.ndim == 1:
+            writer.add_tensor(_gguf_name(name), values)
+            continue
+        kind = gguf.GGMLQuantizationType.Q8_0 if four_bit and "embed" in name else qtype
+        writer.add_tensor(_gguf_name(name), gguf.quants.quantize(values, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

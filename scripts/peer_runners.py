@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 from bench_common import DTYPES, QWEN25_3B
-from peer_gguf import weight_bytes
+from peer_gguf import BIG_SEED, weight_bytes
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
@@ -52,12 +52,15 @@ def make_kvchat_models(folder: Path, names: list[str]) -> dict[str, object]:
 
 
 def make_big_model(kind: str):
-    """A random-weight model with Qwen2.5-3B's shapes, in `kind` (bf16[-int8|-int4])."""
+    """A random-weight model with Qwen2.5-3B's shapes, in `kind` (bf16[-int8|-int4]), the same weights
+    each time (peer_gguf.big_as writes them for llama.cpp)."""
     config = Qwen2Config(**QWEN25_3B)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
+    model.tie_weights()  # to_empty gave the output layer its own storage
     with torch.no_grad():
+        torch.manual_seed(BIG_SEED)
         for param in model.parameters():
             param.normal_(0, 0.02)
         model.model.rotary_emb.__init__(config)  # its buffers were left empty by to_empty
