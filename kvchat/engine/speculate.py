@@ -66,8 +66,8 @@ ACCEPTED_AFTER_MATCH = {1: 0.28, 2: 0.64, 3: 1.44}
 
 def paying_ngram(cost: Callable[[int], float], max_ngram: int = 3) -> int:
     """The shortest match whose drafts pay for their verification on average (4 drafts), else the
-    longest: a one-token match pays where checking drafts is nearly free (bf16 on the lean step), not
-    where it costs 1.7 tokens (fp32)."""
+    longest: a one-token match pays where checking drafts is nearly free (bf16 on oneDNN's kernel), not
+    where 4 drafts cost 1.8 tokens or more (bf16 on kvchat's kernel, fp32, int8, int4)."""
     for n in range(1, max_ngram + 1):
         if 1 + ACCEPTED_AFTER_MATCH.get(n, 0.0) >= cost(4):
             return n
