@@ -71,8 +71,9 @@ def apply_threads(num_threads: int) -> int:
     """Set torch's CPU thread count (0 = automatic) and return the count used."""
     if num_threads < 0:
         raise ConfigError(f"threads must be >= 0, not {num_threads}")
-    # SmolLM2 decode on 2 cores: a 2nd thread is 1.5x faster when idle, 5-10x slower when another process
-    # wants a core (scripts/bench_threads.py). Rule: all physical cores but one, at least 1.
+    # SmolLM2 decode on 2 cores (scripts/bench_threads.py): in kvchat's engine a 2nd thread gains nothing,
+    # one already reading at the memory's pace; through the module forward it was 5-10x slower when
+    # another process wanted a core. Rule: all physical cores but one, at least 1.
     count = num_threads or max(1, num_physical_cores() - 1)
     torch.set_num_threads(count)
     return count
