@@ -21,7 +21,7 @@ import statistics
 import time
 
 import torch
-from peer_gguf import big_as, packaged_as
+from peer_gguf import big_path, packaged_as, write_big
 from peer_runners import KvchatRunner, LlamaRunner, Runner, make_big_model, make_kvchat_models
 from transformers import AutoTokenizer
 
@@ -149,11 +149,11 @@ def run_big(args) -> None:
     weights in both), each llama.cpp type measured right after the kvchat kind of its bytes."""
     kinds = [k for k in BIG_KINDS if k == "bf16" or f"kvchat-{k}" in args.variants]
     types = [t for t in SAME_BYTES.values() if f"llama-{t}" in args.variants]
-    missing = [t for t in types if not big_as(t, None, write=False).is_file()]
+    missing = [t for t in types if not big_path(t).is_file()]
     if missing:
         model = make_big_model("bf16")
         for type_name in missing:
-            big_as(type_name, model)
+            write_big(type_name, model)
         del model
     order = []
     for kind in kinds:
@@ -165,7 +165,7 @@ def run_big(args) -> None:
     rates, bytes_read = {}, {}
     for name in order:
         if name.startswith("llama-"):
-            runner = LlamaRunner(big_as(name.removeprefix("llama-"), None))
+            runner = LlamaRunner(big_path(name.removeprefix("llama-")))
         else:
             kind = name.removeprefix("kvchat-")
             compiled = kind.endswith("-compiled")

@@ -1,8 +1,10 @@
-"""GGUF files of the packaged model in other weight types, for llama.cpp in bench_peer.py.
+"""GGUF files for llama.cpp in bench_peer.py: the packaged model in other weight types, and the
+random-weight model with Qwen2.5-3B's shapes.
 
 The packaged file holds Q4_1 matrices (and a Q8_0 embedding); kvchat runs their dequantized values. A
 BF16 or Q8_0 file written from those same values gives llama.cpp the same weights kvchat reads, so a
-comparison measures the engines, not the weights. Written once next to kvchat's converted model.
+comparison measures the engines, not the weights. The 3B-shaped model's files are written from the
+seeded model kvchat runs. Each is written once, next to kvchat's converted model.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 from kvchat.models.packaged import cache_dir, packaged_gguf
 
 KEPT_TYPES = frozenset({gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16})
+BIG_SEED = 0  # make_big_model's weights
 
 
 def packaged_as(type_name: str) -> Path:
@@ -60,21 +63,24 @@ def _rewrite(source: Path, target: Path, qtype: gguf.GGMLQuantizationType) -> No
     writer.close()
 
 
-def big_as(type_name: str, model, write: bool = True) -> Path:
+def big_path(type_name: str) -> Path:
+    """Where `write_big` keeps the 3B-shaped model as a GGUF file whose matrices are `type_name`."""
+    return cache_dir() / "bench" / f"qwen2.5-3b-shaped-seed{BIG_SEED}.{type_name}.gguf"
+
+
+def write_big(type_name: str, model) -> Path:
     """`model` (make_big_model's, Qwen2.5-3B's shapes, its weights seeded) as a GGUF file whose
     matrices are `type_name`, the tied embedding in Q8_0 where they are 4-bit (as in the packaged file,
     and as kvchat's int4 keeps its output layer in int8). Its tokenizer is the packaged one, padded to
     the model's vocabulary: the benchmark feeds token ids."""
-    target = cache_dir() / "bench" / f"qwen2.5-3b-shaped-seed{BIG_SEED}.{type_name}.gguf"
-    if write and not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".partial")
-        _write_big(model, partial, gguf.GGMLQuantizationType[type_name])
-        partial.rename(target)
+    target = big_path(type_name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    _write_big(model, partial, gguf.GGMLQuantizationType[type_name])
+    partial.rename(target)
     return target
 
 
-BIG_SEED = 0  # make_big_model's weights
 HF_TO_GGUF = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",

@@ -53,7 +53,7 @@ def make_kvchat_models(folder: Path, names: list[str]) -> dict[str, object]:
 
 def make_big_model(kind: str):
     """A random-weight model with Qwen2.5-3B's shapes, in `kind` (bf16[-int8|-int4]), the same weights
-    each time (peer_gguf.big_as writes them for llama.cpp)."""
+    each time (peer_gguf.write_big writes them for llama.cpp)."""
     config = Qwen2Config(**QWEN25_3B)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config)
