@@ -14,7 +14,7 @@ from tests.fake_context import FakeContextManager, Response
 
 @dataclass
 class Harness:
-    """A shell over a FakeContextManager and a UI writing to a string, for transcript tests."""
+    """What make_harness returns."""
 
     ctx: FakeContextManager
     shell: Shell

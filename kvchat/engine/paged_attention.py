@@ -2,9 +2,8 @@
 
 `KVPool` holds the K/V tensors of every block of every layer: the only owner of KV memory. A forward
 (`PagedKV`; forward_cache.py hands it to a module forward as a transformers cache) writes its new K/V
-into the sequence's blocks once, and
-each layer's attention reads the sequence's K/V from there, inside the KV budget; sequences that take
-turns reload nothing.
+into the sequence's blocks once, and each layer's attention reads the sequence's K/V from there,
+inside the KV budget; sequences that take turns reload nothing.
 
 The lean decode step's attention reads the pool in place, by slot, through kvchat's kernel
 (native_attention.py) where it could be built. Otherwise, and for the module forward:

@@ -229,11 +229,10 @@ void int8_row_tiles(const uint8_t* codes, const uint16_t* row_scales, int64_t gr
 }
 
 // One input row against every tile, kStreams at a time (then 2, then 1): row_tiles(n, t, q, out)
-// computes tiles t..t+n-1. (int4 tiles streamed so gained on Qwen2.5-3B's shapes no more than the
-// noise, and lost 15-18% on SmolLM2's. With each group's params moved beside its codes, one stream a
-// tile, 8 tiles streamed decoded Qwen2.5-3B's shapes 4-6% faster end to end and SmolLM2 3-5% slower
-// with one tile at a time: kept as it is. The int4 kernel reads ~21 GB/s where bf16's reads ~29: its
-// integer work, ~40 GB/s alone from L1, overlaps the memory's only in part.)
+// computes tiles t..t+n-1. int8 only: int4 tiles streamed so decoded Qwen2.5-3B's shapes no faster
+// and SmolLM2's 15-18% slower; with each group's params beside its codes (another layout), 4-6%
+// faster and 3-5% slower. The int4 kernel reads ~22 GB/s where bf16's reads ~29: its integer work,
+// ~40 GB/s alone from L1, overlaps the memory's only in part (scripts/README.md).
 template <typename RowTiles>
 at::Tensor by_streams(const at::Tensor& x, int64_t tiles, RowTiles&& row_tiles) {
   const QuantizedInput q = quantize_input(x);
