@@ -32,7 +32,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -43,9 +42,9 @@ constexpr int64_t kCodeBytes = kRows * kGroup / 2;  // an int4 tile-group's code
 constexpr int64_t kByteCodes = kRows * kGroup;      // an int8 tile-group's codes
 constexpr int64_t kBatch = 4;                      // input rows a pass over a tile
 // groups ahead to prefetch the codes of (past the end: prefetches never fault): into L1 for several
-// input rows; for one row of int4 into L2, 32 groups (8 KB) ahead, which decoded Qwen2.5-3B's shapes
-// 3-7% faster than 8 into L1 (16 ahead, or the params prefetched too: no faster; SmolLM2 the same
-// within the noise)
+// input rows; for one row of int4 into L2, the params too, 32 groups (8 KB of codes) ahead, which
+// decoded Qwen2.5-3B's shapes 3-7% faster than 8 into L1 (16 ahead: no faster), and the params
+// prefetched with the input's broadcasts from memory (broadcast_four) another 4-5%
 constexpr int64_t kAhead = 8, kInt4RowAhead = 32;
 constexpr int64_t kStreams = 4;  // int8 tiles one input row streams at once, where a row has at least
 constexpr int64_t kStreamGroups = 64;  // these groups (shorter ones decode faster a tile at a time)
@@ -120,17 +119,18 @@ inline __m512 widen_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
+// Four input bytes in every 32-bit lane, broadcast from memory: through a general register, as
+// _mm512_set1_epi32 compiles, each costs one more vector instruction.
+inline __m512i broadcast_four(const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
+
 // sum(code * (256 xq + xr)) over one group for 16 rows: eight blocks of 16 rows by 4 inputs.
 inline __m512i group_dot(const __m512i (&v)[8], const int8_t* coarse, const int8_t* fine) {
   // four chains of vpdpbusd, not two: each waits on its own last result
   __m512i dot[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
   __m512i rest[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
   for (int j = 0; j < 8; ++j) {
-    int32_t four, four_fine;
-    std::memcpy(&four, coarse + 4 * j, sizeof four);
-    std::memcpy(&four_fine, fine + 4 * j, sizeof four_fine);
-    dot[j % 2] = _mm512_dpbusd_epi32(dot[j % 2], v[j], _mm512_set1_epi32(four));
-    rest[j % 2] = _mm512_dpbusd_epi32(rest[j % 2], v[j], _mm512_set1_epi32(four_fine));
+    dot[j % 2] = _mm512_dpbusd_epi32(dot[j % 2], v[j], broadcast_four(coarse + 4 * j));
+    rest[j % 2] = _mm512_dpbusd_epi32(rest[j % 2], v[j], broadcast_four(fine + 4 * j));
   }
   const __m512i coarse_sum = _mm512_add_epi32(dot[0], dot[1]);
   return _mm512_add_epi32(_mm512_slli_epi32(coarse_sum, 8), _mm512_add_epi32(rest[0], rest[1]));
@@ -151,6 +151,8 @@ void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, con
   for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = codes + g * kCodeBytes;
+    if constexpr (B == 1)
+      _mm_prefetch(reinterpret_cast<const char*>(params + (g + kInt4RowAhead) * 2 * kRows), _MM_HINT_T1);
     __m512i v[8];
     for (int i = 0; i < 4; ++i) {
       if constexpr (B == 1)
@@ -231,8 +233,9 @@ void int8_row_tiles(const uint8_t* codes, const uint16_t* row_scales, int64_t gr
 // One input row against every tile, kStreams at a time (then 2, then 1): row_tiles(n, t, q, out)
 // computes tiles t..t+n-1. int8 only: int4 tiles streamed so decoded Qwen2.5-3B's shapes no faster
 // and SmolLM2's 15-18% slower; with each group's params beside its codes (another layout), 4-6%
-// faster and 3-5% slower. The int4 kernel reads ~22 GB/s where bf16's reads ~29: its integer work,
-// ~40 GB/s alone from L1, overlaps the memory's only in part (scripts/README.md).
+// faster and 3-5% slower. The int4 kernel reads ~23 GB/s where bf16's reads ~29: its integer work,
+// ~40 GB/s alone from L1, overlaps the memory's only in part, and even a kernel that only loaded its
+// bytes decoded 2.7x bf16's pace, not 3x (scripts/README.md).
 template <typename RowTiles>
 at::Tensor by_streams(const at::Tensor& x, int64_t tiles, RowTiles&& row_tiles) {
   const QuantizedInput q = quantize_input(x);
