@@ -9,6 +9,7 @@ seeded model kvchat runs. Each is written once, next to kvchat's converted model
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -27,16 +28,30 @@ def packaged_as(type_name: str) -> Path:
         return source
     target = cache_dir() / "bench" / f"{source.stem.rsplit('.', 1)[0]}.{type_name}.gguf"
     if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".partial")
-        _rewrite(source, partial, gguf.GGMLQuantizationType[type_name])
-        partial.rename(target)
+        _write_once(target, lambda partial: _rewrite(source, partial, gguf.GGMLQuantizationType[type_name]))
     return target
 
 
 def weight_bytes(path: Path) -> int:
     """Bytes of all tensors in a GGUF file (what one token's decode reads, the embedding being tied)."""
     return sum(int(tensor.n_bytes) for tensor in gguf.GGUFReader(path).tensors)
+
+
+def _write_once(target: Path, write: Callable[[Path], None]) -> Path:
+    """`target`, written by `write` under a partial name and renamed when whole: a stopped run leaves
+    no half-written file where a later run would take it as done."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    write(partial)
+    partial.rename(target)
+    return target
+
+
+def _close(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def _rewrite(source: Path, target: Path, qtype: gguf.GGMLQuantizationType) -> None:
@@ -57,10 +72,7 @@ def _rewrite(source: Path, target: Path, qtype: gguf.GGMLQuantizationType) -> No
             continue
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # (rows, cols) fp32
         writer.add_tensor(tensor.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _close(writer)
 
 
 def big_path(type_name: str) -> Path:
@@ -73,12 +85,9 @@ def write_big(type_name: str, model) -> Path:
     matrices are `type_name`, the tied embedding in Q8_0 where they are 4-bit (as in the packaged file,
     and as kvchat's int4 keeps its output layer in int8). Its tokenizer is the packaged one, padded to
     the model's vocabulary: the benchmark feeds token ids."""
-    target = big_path(type_name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
-    _write_big(model, partial, gguf.GGMLQuantizationType[type_name])
-    partial.rename(target)
-    return target
+    return _write_once(
+        big_path(type_name), lambda partial: _write_big(model, partial, gguf.GGMLQuantizationType[type_name])
+    )
 
 
 HF_TO_GGUF = {
@@ -136,7 +145,4 @@ def _write_big(model, target: Path, qtype: gguf.GGMLQuantizationType) -> None:
             continue
         kind = gguf.GGMLQuantizationType.Q8_0 if four_bit and "embed" in name else qtype
         writer.add_tensor(_gguf_name(name), gguf.quants.quantize(values, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _close(writer)
