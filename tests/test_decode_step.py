@@ -179,7 +179,7 @@ def test_lean_step_gives_the_same_greedy_text_on_smollm2(smollm2):
     assert texts[0] == texts[1] and len(texts[0]) > 40
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4-g128"])
 def test_lean_step_runs_quantized_linears_as_the_module_forward_does(mode):
     """The lean step runs quantized layers on their own kernels (inside decoder_layers, or as the model's
     modules), so they give the module forward's logits: the same kernels on inputs that differ by

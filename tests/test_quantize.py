@@ -80,7 +80,7 @@ def test_quantize_model_leaves_odd_layers_and_the_embedding_alone() -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v carry a bias
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4-g128"])
 def test_a_quantized_tiny_model_keeps_its_logits_and_generates(kind: str, mode: str) -> None:
     plain = make_tiny_model(kind, dtype=torch.bfloat16)
     quantized = make_tiny_model(kind, dtype=torch.bfloat16)
@@ -92,7 +92,7 @@ def test_a_quantized_tiny_model_keeps_its_logits_and_generates(kind: str, mode: 
         got = quantized(input_ids=ids).logits.float().log_softmax(-1)
         kl = (expected.exp() * (expected - got)).sum(-1).mean()
         out = quantized.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert float(kl) < (1e-4 if mode == "int8" else 2e-3), float(kl)  # measured: 2e-6 and 2e-4
+    assert float(kl) < (1e-4 if mode == "int8" else 2e-3), float(kl)  # measured: 2e-6, 2e-4, 3e-4
     assert float((expected.argmax(-1) == got.argmax(-1)).float().mean()) >= 0.9
     assert out.shape == (1, 46)
 
@@ -120,13 +120,25 @@ def test_packaged_smollm2_in_int4_runs_on_its_own_q4_1_values() -> None:
     assert "Paris" in tokenizer.decode(answer)
 
 
+def test_int4_g128_takes_the_largest_group_of_at_most_128_that_divides_the_inputs() -> None:
+    model = nn.Sequential(nn.Linear(1536, 32), nn.Linear(576, 32), nn.Linear(96, 32))  # SmolLM2's 576
+    report = quantize_model(model, "int4-g128")
+    assert report.quantized == ["0", "1", "2"] and report.mode == "int4-g128"
+    assert [layer.group_size for layer in model] == [128, 64, 32]
+    assert model[0].scales_and_zeros.numel() == 32 * 1536 // 128 * 2  # a scale and zero a group
+    for layer, linear_in in zip(model, (1536, 576, 96), strict=True):
+        x = torch.randn(2, linear_in)
+        expected = x.double() @ layer.dequantized_weight().double().T + layer.bias.double()
+        torch.testing.assert_close(layer(x).double(), expected, rtol=2**-7, atol=1e-2)
+
+
 def test_the_fingerprint_records_the_quantization() -> None:
     from kvchat.models.loader import compute_fingerprint, quantization_tag
     from kvchat.models.quantize import QuantizeReport
 
     config = make_tiny_model("llama").config
-    tags = ["none", "int8", "int4", "int4+file"]
-    assert len({compute_fingerprint("m", config, tag) for tag in tags}) == 4
+    tags = ["none", "int8", "int4", "int4+file", "int4-g128"]
+    assert len({compute_fingerprint("m", config, tag) for tag in tags}) == 5
     # Unquantized: the fingerprint of before, so state files saved earlier still load.
     assert compute_fingerprint("m", config) == compute_fingerprint("m", config, "none")
     assert quantization_tag(None) == "none"
@@ -162,6 +174,9 @@ def test_info_says_how_the_weights_are_stored_and_whose_kernels_run_them() -> No
     )
     quantize_model(model, "int4")  # its output layer int8
     assert describe_quantization(model) == f"int4 ({ours}'s kernels)"
+    coarse = make_tiny_model("llama", dtype=torch.bfloat16)
+    quantize_model(coarse, "int4-g128")  # groups of 64 where 128 does not divide the inputs
+    assert describe_quantization(coarse) == f"int4-g128 ({ours}'s kernels)"
     int8 = make_tiny_model("llama", dtype=torch.bfloat16)
     quantize_model(int8, "int8")
     int8.lm_head = Int8Linear.from_linear(nn.Linear(64, 512), "torch")

@@ -42,16 +42,19 @@ class Weights:
         return self.scaled_codes + self.offsets
 
 
-def make_layer(out_features: int, in_features: int, bias: bool = False) -> tuple[Int4Linear, Weights]:
+def make_layer(
+    out_features: int, in_features: int, bias: bool = False, group: int = GROUP_SIZE
+) -> tuple[Int4Linear, Weights]:
+    """Random codes, scales and zeros, one scale and zero per `group` inputs."""
     generator = torch.Generator().manual_seed(0)
-    groups = in_features // GROUP_SIZE
+    groups = in_features // group
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
     scales = (torch.rand(out_features, groups, generator=generator) * 0.02 + 1e-3).to(torch.bfloat16)
     zeros = (torch.randn(out_features, groups, generator=generator) * 0.01).to(torch.bfloat16)
     bias_values = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
     layer = Int4Linear(codes, scales, zeros, bias_values)
-    scales64 = scales.double().repeat_interleave(GROUP_SIZE, 1)  # (N, K)
-    zeros64 = zeros.double().repeat_interleave(GROUP_SIZE, 1)
+    scales64 = scales.double().repeat_interleave(group, 1)  # (N, K)
+    zeros64 = zeros.double().repeat_interleave(group, 1)
     return layer, Weights(codes.double() * scales64, zeros64 - 8 * scales64)
 
 
@@ -81,11 +84,13 @@ def run_kernel(layer: Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])  # passes of 4 input rows, and what is left
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_the_kernel_equals_the_dequantized_matmul(rows: int, dtype: torch.dtype, bits: int) -> None:
-    layer, weights = (make_layer if bits == 4 else make_int8_layer)(48, 128)
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (4, 128), (8, 32)])
+def test_the_kernel_equals_the_dequantized_matmul(
+    rows: int, dtype: torch.dtype, bits: int, group: int
+) -> None:
+    layer, weights = make_layer(48, 256, group=group) if bits == 4 else make_int8_layer(48, 256)
     assert layer.kernel == "kvchat"
-    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
     x[0, 40] = 30.0  # one large input in its group: the others are read on its scale
     x[-1, 64:96] = 0.0  # a group of zeros: no scale to divide by
     out = run_kernel(layer, x)  # (M, N)
@@ -116,11 +121,12 @@ def test_the_layer_rounds_its_output_once_and_adds_its_bias() -> None:
     torch.testing.assert_close(layer.dequantized_weight().double(), weights.weight, rtol=0, atol=1e-7)
 
 
-@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear])
-def test_both_kernels_compute_the_same_layer(kind: type) -> None:
+@pytest.mark.parametrize(("kind", "group"), [(Int4Linear, 32), (Int4Linear, 128), (Int8Linear, None)])
+def test_both_kernels_compute_the_same_layer(kind: type, group: int | None) -> None:
     """The same codes and scales in kvchat's layout and in torch's multiply alike."""
     linear = torch.nn.Linear(256, 64, bias=False)
-    ours, theirs = (kind.from_linear(linear, kernel) for kernel in ("kvchat", "torch"))
+    sizes = {} if group is None else {"group_size": group}
+    ours, theirs = (kind.from_linear(linear, kernel, **sizes) for kernel in ("kvchat", "torch"))
     expected_weight = ours.dequantized_weight()
     if kind is Int4Linear:  # torch's is read through its kernel, which rounds to bf16
         expected_weight = expected_weight.to(torch.bfloat16).float()
@@ -146,11 +152,11 @@ def test_asking_for_kvchats_kernel_where_it_cannot_run_is_refused(monkeypatch: p
 
 
 @pytest.mark.parametrize("inputs", [128, 2048])  # int8 rows of 64 groups and more stream
-@pytest.mark.parametrize("bits", [4, 8])
-def test_one_row_computes_each_row_as_the_rows_do(bits: int, inputs: int) -> None:
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 128), (8, 32)])
+def test_one_row_computes_each_row_as_the_rows_do(bits: int, group: int, inputs: int) -> None:
     """One input row (int8's long rows streaming 4 tiles at once, then 2, then 1) takes the same sums,
     in the same order, as the passes over several rows."""
-    layer, _ = (make_layer if bits == 4 else make_int8_layer)(16 * 7, inputs)
+    layer, _ = make_layer(16 * 7, inputs, group=group) if bits == 4 else make_int8_layer(16 * 7, inputs)
     x = torch.randn(5, inputs, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     together = run_kernel(layer, x)
     assert all(torch.equal(run_kernel(layer, x[i : i + 1])[0], together[i]) for i in range(5))
@@ -172,3 +178,7 @@ def test_the_kernel_refuses_a_weight_of_another_layout() -> None:
         torch.ops.kvchat.int4_linear(torch.randn(1, 96), layer.packed, layer.scales_and_zeros)
     with pytest.raises(RuntimeError, match="int4_linear"):
         torch.ops.kvchat.int4_linear(torch.randn(1, 64), layer.packed.float(), layer.scales_and_zeros)
+    wide, _ = make_layer(32, 96)  # params for 3 groups of 32 taken as one of 96: no such span
+    one_span = wide.scales_and_zeros[:, :1].contiguous()
+    with pytest.raises(RuntimeError, match="groups of 32, 64 or 128"):
+        torch.ops.kvchat.int4_linear(torch.randn(1, 96), wide.packed, one_span)

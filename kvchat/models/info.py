@@ -76,8 +76,8 @@ def model_info(
 
 def describe_quantization(model: Any) -> str:
     """How the linear weights are stored and whose kernels run them: "none", "none (bf16 on kvchat's
-    kernel)", "int4 (kvchat's kernels)", "int8 (torch's kernels)", ... (an int4 model's int8 output
-    layer counts as int4's)."""
+    kernel)", "int4 (kvchat's kernels)", "int4-g128 (kvchat's kernels)", "int8 (torch's kernels)", ...
+    (an int4 model's int8 output layer counts as int4's)."""
     from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
     from kvchat.models.quantize import Int4Linear, Int8Linear
 
@@ -89,7 +89,8 @@ def describe_quantization(model: Any) -> str:
         if not found:
             return "none"
         return f"none (bf16 on {' and '.join(found)}'s kernel{'s' if len(found) > 1 else ''})"
-    mode = "int4" if any(isinstance(m, Int4Linear) for m in layers) else "int8"
+    groups = {m.group_size for m in layers if isinstance(m, Int4Linear)}
+    mode = ("int4" if groups == {32} else f"int4-g{max(groups)}") if groups else "int8"
     owners = " and ".join(sorted({m.kernel for m in layers}))
     return f"{mode} ({owners}'s kernels)"
 

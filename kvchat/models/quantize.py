@@ -1,11 +1,11 @@
 """Weight-only quantization of a model's linear layers, through kvchat's kernels or torch's.
 
-int8: one symmetric scale per output channel. int4: groups of 32 inputs with a scale and a zero each,
-value = (code - 8) * scale + zero. On a CPU with AVX-512 VNNI, both run kvchat's own kernels
-(`kvchat::int8_linear`, `kvchat::int4_linear`, kvchat/native/quantized_linear.cpp): the input rounded
-to int8 per group of 32 twice (the value, then what that leaves, so within 1/65,000 of the group's
-largest), integer dot products against the codes, each weight byte read once, at about twice the speed
-of torch's kernels, which serve other CPUs and CUDA (`_weight_int8pack_mm`,
+int8: one symmetric scale per output channel. int4: groups of 32 inputs (128 for "int4-g128") with a
+scale and a zero each, value = (code - 8) * scale + zero. On a CPU with AVX-512 VNNI, both run
+kvchat's own kernels (`kvchat::int8_linear`, `kvchat::int4_linear`, kvchat/native/quantized_linear.cpp):
+the input rounded to int8 per group of 32 twice (the value, then what that leaves, so within 1/65,000
+of the group's largest), integer dot products against the codes, each weight byte read once, at about
+twice the speed of torch's kernels, which serve other CPUs and CUDA (`_weight_int8pack_mm`,
 `_weight_int4pack_mm[_for_cpu]`). Scales, zeros and torch's kernels' activations are bf16: these run
 2-4x slower on fp32 activations, so each layer casts its input to bf16 and its output back. The packed
 layout depends on the device and the kernel, so quantize after the model is on its device.
@@ -24,7 +24,9 @@ from kvchat.models import weight_layout as layout
 from kvchat.models.weight_layout import GROUP_SIZE, TILE_ROWS
 from kvchat.native import kernels
 
-QUANTIZE_MODES = ("none", "int8", "int4")
+QUANTIZE_MODES = ("none", "int8", "int4", "int4-g128")
+# The int4 modes' inputs per scale and zero: 32 as GGUF's Q4_0/Q4_1 (5 bits a weight), or 128 (4.25).
+INT4_GROUPS = {"int4": 32, "int4-g128": 128}
 # The aten ops each mode runs on each device type (torch >= 2.6 has the CPU int4 ones).
 KERNELS = {
     ("int8", "cpu"): ("_weight_int8pack_mm",),
@@ -33,6 +35,7 @@ KERNELS = {
     ("int4", "cuda"): ("_convert_weight_to_int4pack", "_weight_int4pack_mm"),
 }
 KERNEL_DTYPE = torch.bfloat16
+INT4_GROUP_SIZES = (32, 64, 128)  # the inputs per int4 scale and zero that both kernels take
 
 # A linear's name and module in, its quantized replacement out (or None: quantize it from its weight).
 LayerSource = Callable[[str, nn.Linear], nn.Module | None]
@@ -94,7 +97,8 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """nn.Linear with 4-bit codes in groups of 32 inputs, each group with a bf16 scale and zero.
+    """nn.Linear with 4-bit codes in groups of 32, 64 or 128 inputs (`group_size`, from the shape of
+    `scales`: (N, K / group_size)), each group with a bf16 scale and zero.
 
     `kernel` says whose kernel runs it, which decides the layout of `packed` and `scales_and_zeros`:
     "kvchat" (`layout.tile_int4`) or "torch" (`layout.pack_int4`), chosen as for Int8Linear."""
@@ -113,12 +117,15 @@ class Int4Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape  # codes: (N, K) in 0..15
-        if self.in_features % GROUP_SIZE or self.out_features % 16:
+        self.group_size = self.in_features // max(scales.shape[1], 1)
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 groups are of {', '.join(map(str, INT4_GROUP_SIZES))} inputs")
+        if self.in_features % self.group_size or self.out_features % 16:
             raise ValueError(
-                f"int4 needs in_features divisible by {GROUP_SIZE} and out_features by 16, "
+                f"int4 needs in_features divisible by {self.group_size} and out_features by 16, "
                 f"got {self.in_features} and {self.out_features}"
             )
-        assert scales.shape == zeros.shape == (self.out_features, self.in_features // GROUP_SIZE)
+        assert scales.shape == zeros.shape == (self.out_features, self.in_features // self.group_size)
         scales, zeros = scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)
         self.kernel = _choose_kernel(kernel, kernels.int4_linear, codes)
         if self.kernel == "kvchat":
@@ -131,11 +138,13 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(KERNEL_DTYPE))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, kernel: str | None = None) -> Int4Linear:
+    def from_linear(
+        cls, linear: nn.Linear, kernel: str | None = None, group_size: int = GROUP_SIZE
+    ) -> Int4Linear:
         out_features, in_features = linear.weight.shape
-        if in_features % GROUP_SIZE:
-            raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE}, got {in_features}")
-        groups = _fp32_copy(linear).reshape(out_features, -1, GROUP_SIZE)  # (N, K/G, G)
+        if group_size not in INT4_GROUP_SIZES or in_features % group_size:
+            raise ValueError(f"int4 needs in_features divisible by {group_size}, got {in_features}")
+        groups = _fp32_copy(linear).reshape(out_features, -1, group_size)  # (N, K/G, G)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, K/G)
         # Round scale and zero first: the codes are chosen for the values the kernel will use.
         scales = ((high - low) / 15).clamp(min=1e-8).to(KERNEL_DTYPE)
@@ -150,20 +159,20 @@ class Int4Linear(nn.Module):
         if self.kernel == "kvchat":
             return layout.untile_int4(self.packed, self.scales_and_zeros)
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.packed.device)  # (K, K)
-        return _int4_mm(eye, self.packed, self.scales_and_zeros).float().T.contiguous()
+        return _int4_mm(eye, self.packed, self.group_size, self.scales_and_zeros).float().T.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # (M, K)
         if self.kernel == "kvchat":
             out = torch.ops.kvchat.int4_linear(flat, self.packed, self.scales_and_zeros)  # (M, N)
         else:
-            out = _int4_mm(flat.to(KERNEL_DTYPE), self.packed, self.scales_and_zeros)
+            out = _int4_mm(flat.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_and_zeros)
         return _finish(out, self.bias, x)
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP_SIZE}, "
-            f"{self.kernel}'s kernel"
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int4 group {self.group_size}, {self.kernel}'s kernel"
         )
 
 
@@ -196,10 +205,12 @@ def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> to
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 
-def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+def _int4_mm(
+    x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
     if x.device.type == "cpu":
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales_and_zeros)
-    return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP_SIZE, scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
 
 
 @dataclass
@@ -222,13 +233,15 @@ def quantize_model(
     head_mode: str | None = None,
     from_file: LayerSource | None = None,
 ) -> QuantizeReport:
-    """Replace the model's nn.Linear layers by int8 or int4 ones in place (the embedding stays).
+    """Replace the model's nn.Linear layers by int8 or int4 ones in place (the embedding stays), int4
+    in groups of 32 inputs, or of 128 for "int4-g128" (of 64 or 32 where 128 does not divide a layer's
+    inputs, as SmolLM2's 576).
 
     The output layer is quantized as `head_mode` says, by default int8 for both modes: in int4 it
     costs 50x the KL of all other layers together on SmolLM2 (scripts/README.md, Quantization).
-    `from_file` may supply a ready layer for a name (a GGUF's own 4-bit values); the others are
-    quantized from their weights. Layers of shapes the kernel cannot take stay as they are, listed
-    in the report."""
+    `from_file` may supply a ready layer for a name under "int4" (a GGUF's own 4-bit values, in
+    groups of 32); the others are quantized from their weights. Layers of shapes the kernel cannot
+    take stay as they are, listed in the report."""
     for value in (mode, head_mode):
         if value is not None and value not in QUANTIZE_MODES:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {value!r}")
@@ -250,11 +263,17 @@ def quantize_model(
         if layer_mode == "none":
             continue
         try:
-            replacement = from_file(name, linear) if from_file is not None and layer_mode == "int4" else None
+            from_gguf = from_file if layer_mode == "int4" else None  # its groups are of 32
+            replacement = from_gguf(name, linear) if from_gguf is not None else None
             outcome = report.kept_from_file if replacement is not None else report.quantized
             if replacement is None:
-                maker = Int8Linear if layer_mode == "int8" else Int4Linear
-                replacement = maker.from_linear(linear)
+                replacement = (
+                    Int8Linear.from_linear(linear)
+                    if layer_mode == "int8"
+                    else Int4Linear.from_linear(
+                        linear, group_size=_group_for(linear, INT4_GROUPS[layer_mode])
+                    )
+                )
         except ValueError:  # a shape the kernel cannot take
             report.refused.append(name)
             continue
@@ -263,9 +282,15 @@ def quantize_model(
     return report
 
 
+def _group_for(linear: nn.Linear, largest: int) -> int:
+    """The largest int4 group of at most `largest` inputs that divides the layer's (else `largest`)."""
+    fits = [g for g in INT4_GROUP_SIZES if g <= largest and linear.in_features % g == 0]
+    return max(fits, default=largest)
+
+
 def require_kernels(mode: str, device: torch.device) -> None:
     """Raise ModelLoadError when this torch lacks the kernels `mode` needs on `device`."""
-    names = KERNELS.get((mode, device.type))
+    names = KERNELS.get(("int4" if mode in INT4_GROUPS else mode, device.type))
     if names is None:
         raise ModelLoadError(f"--quantize {mode} runs on cpu or cuda, not {device.type}")
     missing = [name for name in names if not hasattr(torch.ops.aten, name)]

@@ -33,7 +33,8 @@ def tile_int4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def tile_params(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """Scales and zeros (N, K/32) each as kvchat's kernel reads them: (N/16, K/32, 2, 16)."""
+    """Scales and zeros (N, K/G) each, for groups of G inputs, as kvchat's kernel reads them:
+    (N/16, K/G, 2, 16)."""
     rows, groups = scales.shape
     both = torch.stack([scales, zeros]).reshape(2, rows // TILE_ROWS, TILE_ROWS, groups)
     return both.permute(1, 3, 0, 2).contiguous()
@@ -63,8 +64,10 @@ def untile_int4(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     blocks = packed.reshape(tiles, groups, 4, TILE_ROWS, 4)  # (tile, group, i, row, j)
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1)  # (tile, group, i, row, j, half)
     codes = codes.permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE_ROWS, groups * GROUP_SIZE)
-    scales, zeros = params.float().permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, groups)
-    scales, zeros = scales.repeat_interleave(GROUP_SIZE, 1), zeros.repeat_interleave(GROUP_SIZE, 1)
+    spans = params.shape[1]  # one scale and zero per groups // spans groups of 32
+    scales, zeros = params.float().permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, spans)
+    group_size = groups * GROUP_SIZE // spans
+    scales, zeros = scales.repeat_interleave(group_size, 1), zeros.repeat_interleave(group_size, 1)
     return (codes.float() - 8) * scales + zeros
 
 

@@ -14,10 +14,11 @@
 // vpdpbusd operands: 16 rows by 4 inputs in 64 bytes, against 4 inputs broadcast.
 // int4: a tile-group is 256 bytes of codes, four 64-byte blocks: block i's byte 4r + j holds row r's
 //   code for input 4i + j in its low nibble and for input 16 + 4i + j in its high one; in a second
-//   tensor, 16 bf16 scales then 16 bf16 zeros. The weight is (code - 8) * scale + zero, and each
-//   group's exact input sum carries the zeros:
-//   out[r] = sum over groups of  scale * dx / 256 * sum(code * (256 xq + xr))
-//                                + (zero - 8 scale) * sum(x).
+//   tensor, 16 bf16 scales then 16 bf16 zeros for each span of 1, 2 or 4 groups (int4 groups of 32,
+//   64 or 128 inputs). The weight is (code - 8) * scale + zero, and each span's exact input sum
+//   carries the zeros:
+//   out[r] = sum over spans of  scale * sum over its groups of dx / 256 * sum(code * (256 xq + xr))
+//                               + (zero - 8 scale) * sum(x).
 // int8: a tile-group is 512 bytes, eight 64-byte blocks: block j's byte 4r + i holds row r's code for
 //   input 4j + i, plus 128 (vpdpbusd multiplies unsigned bytes by signed ones); one bf16 scale per row.
 //   out[r] = scale * sum over groups of  dx / 256 * (sum(u * (256 xq + xr)) - 128 * sum(256 xq + xr)).
@@ -140,8 +141,10 @@ __m512i InputRows::dot(const __m512i (&v)[8], int b, int64_t g) const {
   return group_dot(v, codes + b * inputs + g * kGroup, residues + b * inputs + g * kGroup);
 }
 
-// B input rows against one int4 tile of 16 output rows: out[b * out_stride + r].
-template <int B>
+// B input rows against one int4 tile of 16 output rows: out[b * out_stride + r]. Each scale and zero
+// serves S consecutive groups of 32 inputs (a group of 32 S): their dot products are summed in fp32,
+// each at its input scale, then multiplied by the weight's scale once.
+template <int B, int S>
 void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, const QuantizedInput& x,
                int64_t first_row, float* out, int64_t out_stride) {
   const InputRows rows(x, first_row);
@@ -149,28 +152,38 @@ void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, con
   const __m512 minus_eight = _mm512_set1_ps(-8.0f);
   __m512 acc[B];
   for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* c = codes + g * kCodeBytes;
+  for (int64_t span = 0; span < groups / S; ++span) {
+    const uint16_t* param = params + span * 2 * kRows;
     if constexpr (B == 1)
-      _mm_prefetch(reinterpret_cast<const char*>(params + (g + kInt4RowAhead) * 2 * kRows), _MM_HINT_T1);
-    __m512i v[8];
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (B == 1)
-        _mm_prefetch(reinterpret_cast<const char*>(c + kInt4RowAhead * kCodeBytes + 64 * i), _MM_HINT_T1);
-      else
-        _mm_prefetch(reinterpret_cast<const char*>(c + kAhead * kCodeBytes + 64 * i), _MM_HINT_T0);
-      const __m512i raw = _mm512_loadu_si512(c + 64 * i);
-      v[i] = _mm512_and_si512(raw, low);
-      v[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      _mm_prefetch(reinterpret_cast<const char*>(param + kInt4RowAhead / S * 2 * kRows), _MM_HINT_T1);
+    const __m512 scale = widen_bf16(param);
+    const __m512 offset = _mm512_fmadd_ps(minus_eight, scale, widen_bf16(param + kRows));
+    __m512 dots[B];
+    float sums[B];
+    for (int s = 0; s < S; ++s) {
+      const int64_t g = span * S + s;
+      const uint8_t* c = codes + g * kCodeBytes;
+      __m512i v[8];
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (B == 1)
+          _mm_prefetch(reinterpret_cast<const char*>(c + kInt4RowAhead * kCodeBytes + 64 * i), _MM_HINT_T1);
+        else
+          _mm_prefetch(reinterpret_cast<const char*>(c + kAhead * kCodeBytes + 64 * i), _MM_HINT_T0);
+        const __m512i raw = _mm512_loadu_si512(c + 64 * i);
+        v[i] = _mm512_and_si512(raw, low);
+        v[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      }
+      for (int b = 0; b < B; ++b) {
+        // |sum(code * (256 xq + xr))| <= 32 * 15 * (256 * 127 + 128) < 2^24: exact in int32 and fp32
+        const __m512 dot = _mm512_cvtepi32_ps(rows.dot(v, b, g));
+        const __m512 step = _mm512_set1_ps(rows.scales[b * groups + g] / 256.0f);
+        dots[b] = s == 0 ? _mm512_mul_ps(dot, step) : _mm512_fmadd_ps(dot, step, dots[b]);
+        sums[b] = s == 0 ? rows.sums[b * groups + g] : sums[b] + rows.sums[b * groups + g];
+      }
     }
-    const __m512 scale = widen_bf16(params + g * 2 * kRows);
-    const __m512 offset = _mm512_fmadd_ps(minus_eight, scale, widen_bf16(params + g * 2 * kRows + kRows));
     for (int b = 0; b < B; ++b) {
-      // |sum(code * (256 xq + xr))| <= 32 * 15 * (256 * 127 + 128) < 2^24: exact in int32 and fp32
-      const __m512i dot = rows.dot(v, b, g);
-      const __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(rows.scales[b * groups + g] / 256.0f));
-      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), step, acc[b]);
-      acc[b] = _mm512_fmadd_ps(offset, _mm512_set1_ps(rows.sums[b * groups + g]), acc[b]);
+      acc[b] = _mm512_fmadd_ps(dots[b], scale, acc[b]);
+      acc[b] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[b]), acc[b]);
     }
   }
   for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + b * out_stride, acc[b]);
@@ -278,29 +291,40 @@ at::Tensor by_tiles(const at::Tensor& x, int64_t tiles, Tile&& tile) {
   return out;
 }
 
-void check_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params) {
+// The groups of 32 inputs each scale and zero serves: 1, 2 or 4 (groups of 32, 64 or 128).
+int64_t check_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && params.dim() == 4, "int4_linear: x (M, K), codes "
-              "(N/16, K/32, 256), params (N/16, K/32, 2, 16)");
+              "(N/16, K/32, 256), params (N/16, K/(32 S), 2, 16)");
   TORCH_CHECK(codes.scalar_type() == at::kByte && params.scalar_type() == at::kBFloat16,
               "int4_linear: uint8 codes and bf16 params");
   TORCH_CHECK(codes.is_contiguous() && params.is_contiguous(), "int4_linear: contiguous weights");
   const int64_t tiles = codes.size(0), groups = codes.size(1);
   TORCH_CHECK(codes.size(2) == kCodeBytes && x.size(1) == groups * kGroup, "int4_linear: shapes");
-  TORCH_CHECK(params.size(0) == tiles && params.size(1) == groups && params.size(2) == 2 &&
-                  params.size(3) == kRows,
-              "int4_linear: params shape");
+  const int64_t spans = params.size(1), span = spans > 0 ? groups / spans : 0;
+  TORCH_CHECK(params.size(0) == tiles && spans * span == groups && (span == 1 || span == 2 || span == 4) &&
+                  params.size(2) == 2 && params.size(3) == kRows,
+              "int4_linear: params shape (groups of 32, 64 or 128 inputs)");
+  return span;
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params) {
-  check_int4(x, codes, params);
+template <int S>
+at::Tensor int4_spans(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params) {
   const int64_t groups = codes.size(1);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* p = reinterpret_cast<const uint16_t*>(params.data_ptr<at::BFloat16>());
   return by_tiles(x, codes.size(0), [&](auto batch, int64_t t, const QuantizedInput& q, int64_t b, float* to,
                                         int64_t width) {
-    int4_tile<decltype(batch)::value>(c + t * groups * kCodeBytes, p + t * groups * 2 * kRows, groups, q, b, to,
-                                      width);
+    int4_tile<decltype(batch)::value, S>(c + t * groups * kCodeBytes, p + t * groups / S * 2 * kRows, groups, q,
+                                         b, to, width);
   });
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params) {
+  switch (check_int4(x, codes, params)) {
+    case 4: return int4_spans<4>(x, codes, params);
+    case 2: return int4_spans<2>(x, codes, params);
+    default: return int4_spans<1>(x, codes, params);
+  }
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
