@@ -78,46 +78,64 @@ struct InputRows {
   __m512i dot(const __m512i (&v)[8], int b, int64_t g) const;
 };
 
+inline __m512 widen_bf16(const uint16_t* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// 16 values from p as fp32: bf16 widened, or fp32 as they are
+inline __m512 load_floats(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_floats(const at::BFloat16* p) { return widen_bf16(reinterpret_cast<const uint16_t*>(p)); }
+
+// x rounded to the nearest integer, ties to even, as std::nearbyint
+inline __m512 nearest(__m512 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+// One group of 32 inputs: its codes and residues' codes, and its scale, sum and sum(256 code + residue).
+template <typename T>
+inline void quantize_group(const T* in, int8_t* codes, int8_t* residues, float* scale, float* sum,
+                           int32_t* code_sum) {
+  const __m512 values[2] = {load_floats(in), load_floats(in + 16)};
+  const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(values[0]), _mm512_abs_ps(values[1])));
+  *sum = _mm512_reduce_add_ps(_mm512_add_ps(values[0], values[1]));
+  *scale = largest / 127.0f;
+  const __m512 inverse = _mm512_set1_ps(*scale > 0.0f ? 1.0f / *scale : 0.0f);
+  __m512i combined = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512 scaled = _mm512_mul_ps(values[h], inverse);
+    const __m512 code = nearest(scaled);
+    // within +-128, at most 127 kept
+    const __m512 residue = _mm512_min_ps(nearest(_mm512_mul_ps(_mm512_sub_ps(scaled, code), _mm512_set1_ps(256.0f))),
+                                         _mm512_set1_ps(127.0f));
+    const __m512i code_int = _mm512_cvtps_epi32(code), residue_int = _mm512_cvtps_epi32(residue);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * h), _mm512_cvtepi32_epi8(code_int));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(residues + 16 * h), _mm512_cvtepi32_epi8(residue_int));
+    combined = _mm512_add_epi32(combined, _mm512_add_epi32(_mm512_slli_epi32(code_int, 8), residue_int));
+  }
+  *code_sum = _mm512_reduce_add_epi32(combined);
+}
+
 QuantizedInput quantize_input(const at::Tensor& x) {
   const int64_t rows = x.size(0), inputs = x.size(1), groups = inputs / kGroup;
-  const at::Tensor values = x.to(at::kFloat).contiguous();
+  const at::Tensor values = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   const auto bytes = x.options().dtype(at::kChar), floats = x.options().dtype(at::kFloat);
   QuantizedInput q{at::empty({rows, inputs}, bytes), at::empty({rows, inputs}, bytes),
                    at::empty({rows, groups}, floats), at::empty({rows, groups}, floats),
                    at::empty({rows, groups}, x.options().dtype(at::kInt))};
-  const float* in = values.data_ptr<float>();
   int8_t* codes = q.codes.data_ptr<int8_t>();
   int8_t* residues = q.residues.data_ptr<int8_t>();
   float* scales = q.scales.data_ptr<float>();
   float* sums = q.sums.data_ptr<float>();
   int32_t* code_sums = q.code_sums.data_ptr<int32_t>();
-  for (int64_t g = 0; g < rows * groups; ++g) {
-    const float* v = in + g * kGroup;
-    float largest = 0.0f, sum = 0.0f;
-    for (int64_t k = 0; k < kGroup; ++k) {
-      largest = std::max(largest, std::fabs(v[k]));
-      sum += v[k];
-    }
-    const float scale = largest / 127.0f;
-    const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-    int32_t code_sum = 0;
-    for (int64_t k = 0; k < kGroup; ++k) {
-      const float code = std::nearbyint(v[k] * inverse);
-      const float residue = std::nearbyint((v[k] * inverse - code) * 256.0f);  // within +-128
-      codes[g * kGroup + k] = static_cast<int8_t>(code);
-      residues[g * kGroup + k] = static_cast<int8_t>(std::min(residue, 127.0f));
-      code_sum += 256 * codes[g * kGroup + k] + residues[g * kGroup + k];
-    }
-    scales[g] = scale;
-    sums[g] = sum;
-    code_sums[g] = code_sum;
-  }
+  const auto each_group = [&](const auto* in) {
+    for (int64_t g = 0; g < rows * groups; ++g)
+      quantize_group(in + g * kGroup, codes + g * kGroup, residues + g * kGroup, scales + g, sums + g,
+                     code_sums + g);
+  };
+  if (values.scalar_type() == at::kBFloat16)
+    each_group(values.data_ptr<at::BFloat16>());
+  else
+    each_group(values.data_ptr<float>());
   return q;
-}
-
-inline __m512 widen_bf16(const uint16_t* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
 // Four input bytes in every 32-bit lane, broadcast from memory: through a general register, as
