@@ -4,7 +4,7 @@ side in one run, one thread, greedy, the variants taking turns:
     python scripts/bench_peer.py                      # every part, ~12 minutes on a quiet machine
     python scripts/bench_peer.py --parts decode --contexts 50 --variants kvchat-bf16 llama-BF16
 
-Variants: kvchat-<bf16|fp32>[-int8|-int4][-compiled][-spec] (a quantized kind needs
+Variants: kvchat-<bf16|fp32>[-int8|-int4|-int4-g128][-compiled][-spec] (a quantized kind needs
 kvchat.models.quantize; -compiled decodes through the compiled graph, --compile; -spec drafts by
 prompt lookup) and llama-<BF16|Q8_0|Q4_1> (GGUF files of the packaged weights,
 scripts/peer_gguf.py). Parts: decode (tok/s and weight GB/s after ~50 and ~4,000 tokens of context,
@@ -141,7 +141,8 @@ def run_ttft(runners: dict[str, Runner], tokenizer, args) -> None:
     )
 
 
-BIG_KINDS = ("bf16", "bf16-int8", "bf16-int4", "bf16-compiled", "bf16-int8-compiled", "bf16-int4-compiled")
+BIG_KINDS = ("bf16", "bf16-int8", "bf16-int4", "bf16-int4-g128", "bf16-compiled", "bf16-int8-compiled",
+             "bf16-int4-compiled")  # fmt: skip
 SAME_BYTES = {"bf16": "BF16", "bf16-int8": "Q8_0", "bf16-int4": "Q4_1"}  # llama.cpp's type for a kind
 
 

@@ -81,6 +81,8 @@ def quality(args: argparse.Namespace) -> None:
         "int4 (file), head bf16": variant(bf16, "int4", head="none", from_file=file_layers(bf16)),
         "int4 (file), head int4": variant(bf16, "int4", head="int4", from_file=file_layers(bf16)),
         "int4 (requant)": variant(bf16, "int4"),
+        "int4-g128": variant(bf16, "int4-g128"),
+        "int4-g128, head int4-g128": variant(bf16, "int4-g128", head="int4-g128"),
     }
     ids = torch.tensor([tokenizer.encode(TEXT)[: args.tokens]])  # (1, T)
     targets = ids[0, 1:]  # (T-1,)
