@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvchat.engine.compiled_step import has_cpp_compiler
-from kvchat.models.quantize import GROUP_SIZE, Int4Linear, Int8Linear
+from kvchat.models.quantize import GROUP_SIZE, Int4Linear, Int8Linear, fuse_quantized
 from kvchat.native import kernels
 
 
@@ -182,3 +182,33 @@ def test_the_kernel_refuses_a_weight_of_another_layout() -> None:
     one_span = wide.scales_and_zeros[:, :1].contiguous()
     with pytest.raises(RuntimeError, match="groups of 32, 64 or 128"):
         torch.ops.kvchat.int4_linear(torch.randn(1, 96), wide.packed, one_span)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("kind", "group"), [(Int4Linear, 32), (Int4Linear, 128), (Int8Linear, None)])
+def test_fused_layers_give_each_layers_output_bit_for_bit(kind: type, group: int | None, rows: int) -> None:
+    """Query, key and value (gate and up) fused for the lean step: one call, each layer's own outputs."""
+    torch.manual_seed(0)
+    sizes = {} if group is None else {"group_size": group}
+    layers = [kind.from_linear(torch.nn.Linear(2048, n), **sizes) for n in (256, 64, 64)]  # int8 streams
+    x = torch.randn(rows, 2048).to(torch.bfloat16)
+    apart = torch.cat([run_kernel(layer, x) for layer in layers], dim=1)
+    codes, scales, bias = fuse_quantized(layers)
+    op = torch.ops.kvchat.int4_linear if kind is Int4Linear else torch.ops.kvchat.int8_linear
+    assert torch.equal(op(x, codes, scales), apart)
+    assert torch.equal(bias, torch.cat([layer.bias for layer in layers]))
+    assert torch.equal(torch.cat([run_kernel(layer, x) for layer in layers], dim=1), apart)  # views now
+    held = codes.untyped_storage().data_ptr()
+    kept = layers[-1].packed if kind is Int4Linear else layers[-1].codes
+    assert kept.untyped_storage().data_ptr() == held  # the weights held once
+
+
+def test_layers_of_different_kinds_or_groups_are_not_fused() -> None:
+    linear = torch.nn.Linear(256, 32)
+    int4, int8 = Int4Linear.from_linear(linear), Int8Linear.from_linear(linear)
+    coarse = Int4Linear.from_linear(linear, group_size=128)
+    torch_int4 = Int4Linear.from_linear(linear, "torch")
+    assert fuse_quantized([int4, int8]) is None
+    assert fuse_quantized([int4, coarse]) is None
+    assert fuse_quantized([int4, torch_int4]) is None
+    assert fuse_quantized([torch.nn.Linear(256, 32), int4]) is None

@@ -7,9 +7,9 @@ where its weights take ~12 to read, and a loop over torch's small ops (~45 a lay
 us of dispatch) still left ~7 ms. With kvchat's kernels built (native/decode_layer.cpp) every layer
 runs in one op, `kvchat::decoder_layers`: its RMSNorms, its rotation with the K/V written to the pool,
 its attention and silu(gate) * up are one C++ call each, its projections one call of their kernel
-(bf16 query, key and value fused into one, and gate and up: bf16_linears.fuse_tiled), the residual
-additions inside the bf16 kernel. It takes the linear layers of kvchat's kernels (bf16, int4, int8)
-and plain ones (fp32).
+(query, key and value fused into one, and gate and up: bf16_linears.fuse_tiled and
+quantize.fuse_quantized), the residual additions inside the bf16 kernel. It takes the linear layers of
+kvchat's kernels (bf16, int4, int8) and plain ones (fp32).
 
 Other linear layers (oneDNN's packed bf16, torch's int4 and int8), or no kernels at all, keep the
 loop over the layers in Python, the model's modules called in turn: the same arithmetic in torch's
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvchat.engine.bf16_linears import TiledLinear, fuse_tiled
-from kvchat.models.quantize import Int4Linear, Int8Linear
+from kvchat.models.quantize import Int4Linear, Int8Linear, fuse_quantized
 from kvchat.native import kernels
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
@@ -83,8 +83,8 @@ def layer_parts(layers, silu: bool, dtype: torch.dtype) -> tuple[Parts, float] |
     """What kvchat::decoder_layers takes for these layers (25 tensors a layer, in its order: the norms'
     weights, then each projection's `projection_parts`) and their norms' eps; None unless every linear
     is one it takes, the MLPs silu ones and the norms the families' RMSNorms of one eps, their weights
-    of the model's `dtype`. Tiled query, key and value (gate and up) are fused into one projection
-    (bf16_linears.fuse_tiled), given in the first one's place, the others' left None."""
+    of the model's `dtype`. Query, key and value (gate and up) of one kind are fused into one projection
+    (`fused_parts`), given in the first one's place, the others' left None."""
     parts: Parts = []
     eps: set[float] = set()
     for layer in layers:
@@ -96,17 +96,29 @@ def layer_parts(layers, silu: bool, dtype: torch.dtype) -> tuple[Parts, float] |
             return None
         eps.update(norm.variance_epsilon for norm in norms)
         parts += [norm.weight for norm in norms] + [None] * (4 - len(norms))
-        qkv = fuse_tiled([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up = fuse_tiled([mlp.gate_proj, mlp.up_proj])
-        projections = [qkv, None, None] if qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
-        projections.append(attn.o_proj)
-        projections += [gate_up, None] if gate_up is not None else [mlp.gate_proj, mlp.up_proj]
-        for linear in [*projections, mlp.down_proj]:
-            given = [None, None, None] if linear is None else projection_parts(linear, dtype)
-            if given is None:
-                return None
-            parts += given
+        for group in ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj]):
+            fused = fused_parts(group, dtype) if len(group) > 1 else None
+            if fused is not None:
+                parts += fused
+                parts += [None] * 3 * (len(group) - 1)
+                continue
+            for linear in group:
+                given = projection_parts(linear, dtype)
+                if given is None:
+                    return None
+                parts += given
+        given = projection_parts(mlp.down_proj, dtype)
+        if given is None:
+            return None
+        parts += given
     return (parts, eps.pop()) if len(eps) == 1 else None
+
+
+def fused_parts(linears: list[nn.Module], dtype: torch.dtype) -> Parts | None:
+    """Several projections of one input as one, as `projection_parts` gives it: bf16 tiles
+    (bf16_linears.fuse_tiled) or int4/int8 codes (quantize.fuse_quantized); None where they differ."""
+    tiled = fuse_tiled(linears)
+    return projection_parts(tiled, dtype) if tiled is not None else fuse_quantized(linears)
 
 
 class LeanDecodeStep:

@@ -176,6 +176,37 @@ class Int4Linear(nn.Module):
         )
 
 
+def fuse_quantized(linears: list[nn.Module]) -> list[torch.Tensor | None] | None:
+    """One projection for several int4 (or int8) layers on kvchat's kernels that read the same input:
+    (codes, scales, bias) as the kernel takes them, its outputs theirs side by side; None unless all
+    are alike (kind, inputs, int4 group, bias or none). Each layer keeps views of the fused tensors in
+    place of its own, so the weights are held once. The kernels compute each tile of 16 rows alone,
+    so the fused outputs are the layers' own, bit for bit."""
+    first = linears[0]
+    kind = type(first)
+    if kind not in (Int4Linear, Int8Linear) or any(
+        type(m) is not kind
+        or m.kernel != "kvchat"
+        or m.in_features != first.in_features
+        or getattr(m, "group_size", None) != getattr(first, "group_size", None)
+        or (m.bias is None) != (first.bias is None)
+        for m in linears
+    ):
+        return None
+    names = ("packed", "scales_and_zeros") if kind is Int4Linear else ("codes", "scales")
+    fused: list[torch.Tensor | None] = []
+    for name in names:
+        whole = torch.cat([m.get_buffer(name) for m in linears])
+        at = 0
+        for m in linears:
+            count = m.get_buffer(name).shape[0]
+            setattr(m, name, whole[at : at + count])  # a view: the weights are held once
+            at += count
+        fused.append(whole)
+    fused.append(None if first.bias is None else torch.cat([m.get_buffer("bias") for m in linears]))
+    return fused
+
+
 def _choose_kernel(asked: str | None, ours: Callable[[], Callable | None], codes: torch.Tensor) -> str:
     """kvchat's kernel where `ours()` is built, the device is a CPU and the shape fits its tiles (16
     rows by 32 inputs); else torch's. Asking for kvchat's where it cannot run raises ValueError."""
