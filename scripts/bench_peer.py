@@ -11,7 +11,10 @@ scripts/peer_gguf.py). Parts: decode (tok/s and weight GB/s after ~50 and ~4,000
 a free-writing and a copying prompt), ttft (cold, ~2,000 tokens; turn 2 reusing the first turn),
 bandwidth (one-thread read of 256 MB), big (a random-weight model shaped as Qwen2.5-3B: kvchat's bf16 and
 the quantized kinds asked for, and llama.cpp's types asked for, on GGUF files of the same weights,
-written once: ~2 minutes and 11 GB of disk for all three types).
+written once: ~2 minutes and 11 GB of disk for all three types), big-turns (kvchat's kinds alone on
+that model, held in memory together and taking turns, `--repeats` rounds: the median of each kind's
+ratios to bf16 round by round, which the machine's drift moves least; ~13 GB of memory for bf16, int8,
+int4 and int4-g128).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ PASSAGE = (
 )
 FREE = "Write a new story about a baker who finds a map inside a loaf of bread."
 COPY = "Copy the last paragraph of the log above, word for word."
-PARTS = ("bandwidth", "decode", "ttft", "big")
+PARTS = ("bandwidth", "decode", "ttft", "big", "big-turns")
 DEFAULT_VARIANTS = [
     "kvchat-bf16",
     "kvchat-fp32",
@@ -193,11 +196,39 @@ def run_big(args) -> None:
     )
 
 
+def run_big_turns(args) -> None:
+    """kvchat's kinds on the 3B-shaped model, taking turns round by round: ratios to bf16 per round."""
+    kinds = [k for k in BIG_KINDS if k == "bf16" or f"kvchat-{k}" in args.variants]
+    runners = {kind: KvchatRunner(make_big_model(kind), None, False) for kind in kinds}
+    prompt = list(range(1000, 1050))
+    for runner in runners.values():
+        runner.decode(prompt, 2)
+    rates: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for _ in range(args.repeats):
+        for kind, runner in runners.items():
+            rates[kind].append(runner.decode(prompt, args.big_tokens))
+    rows = []
+    for kind in kinds:
+        ratios = [rate / base for rate, base in zip(rates[kind], rates["bf16"], strict=True)]
+        median = statistics.median(rates[kind])
+        gb_s = median * runners[kind].weight_bytes / 1e9
+        rows.append(
+            f"| kvchat-{kind} | {median:.2f} | {gb_s:.1f} | {statistics.median(ratios):.2f}x | "
+            f"{min(ratios):.2f}-{max(ratios):.2f}x |"
+        )
+    table(
+        f"kvchat on the Qwen2.5-3B-shaped model, the kinds taking turns, {args.repeats} rounds of "
+        f"{args.big_tokens} tokens, ~50 tokens of context",
+        "| variant | tok/s (median) | weights GB/s | vs bf16 (median of the rounds' ratios) | range |",
+        rows,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS[:-1]))  # not big-turns
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     parser.add_argument("--baseline", default="llama-BF16", help="the variant ratios are taken to")
     parser.add_argument("--contexts", type=int, nargs="+", default=[50, 4000])
@@ -219,6 +250,8 @@ def main() -> None:
         print(f"\none-thread read bandwidth, again: {read_bandwidth():.1f} GB/s")
     if "big" in args.parts:
         run_big(args)
+    if "big-turns" in args.parts:
+        run_big_turns(args)
 
 
 if __name__ == "__main__":
