@@ -132,6 +132,19 @@ def test_int4_g128_takes_the_largest_group_of_at_most_128_that_divides_the_input
         torch.testing.assert_close(layer(x).double(), expected, rtol=2**-7, atol=1e-2)
 
 
+def test_only_int4_keeps_a_files_layers_whose_groups_are_of_32() -> None:
+    asked: list[str] = []
+
+    def from_file(name: str, linear: nn.Linear) -> nn.Module | None:
+        asked.append(name)
+        return None
+
+    quantize_model(nn.Sequential(nn.Linear(256, 32)), "int4-g128", from_file=from_file)
+    assert asked == []
+    quantize_model(nn.Sequential(nn.Linear(256, 32)), "int4", from_file=from_file)
+    assert asked == ["0"]
+
+
 def test_the_fingerprint_records_the_quantization() -> None:
     from kvchat.models.loader import compute_fingerprint, quantization_tag
     from kvchat.models.quantize import QuantizeReport
