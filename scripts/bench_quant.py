@@ -113,15 +113,19 @@ def fresh_groups(model: nn.Module, ids: torch.Tensor, log_p: torch.Tensor) -> No
     print("\nint4 quantized anew, decoder linears only, in fp32 (the output layer as it is)")
     print("| groups | weight error (relative, mean) | KL per token | same top-1 |")
     print("|---|---:|---:|---:|")
-    rows = [("32, on the file's blocks", 32, 0), ("32, shifted by 16", 32, 16), ("64", 64, 0),
-            ("128 (64 where 576 inputs)", 128, 0)]  # fmt: skip
+    rows = [("32, on the file's blocks", 32, 0, False), ("32, shifted by 16", 32, 16, False),
+            ("64", 64, 0, False), ("128 (64 where 576 inputs)", 128, 0, False),
+            ("32, shifted by 16, ranges searched (kvchat's)", 32, 16, True),
+            ("128 (64 where 576), ranges searched (kvchat's)", 128, 0, True)]  # fmt: skip
     with torch.inference_mode():
-        for label, group, shift in rows:
+        for label, group, shift, searched in rows:
             errors = []
             for name, linear in linears.items():
                 weight = original[name]
                 size = group if weight.shape[1] % group == 0 else 64
-                rounded = fake_int4(weight.roll(-shift, 1), size).roll(shift, 1)
+                rounded = (kvchat_int4 if searched else fake_int4)(weight.roll(-shift, 1), size).roll(
+                    shift, 1
+                )
                 errors.append(float((rounded - weight).norm() / weight.norm()))
                 linear.weight.copy_(rounded)
             log_q = model(input_ids=ids[None]).logits[0, :-1].float().log_softmax(-1)
@@ -132,8 +136,15 @@ def fresh_groups(model: nn.Module, ids: torch.Tensor, log_p: torch.Tensor) -> No
             linear.weight.copy_(original[name])
 
 
+def kvchat_int4(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """(N, K) as Int4Linear.from_linear rounds it (each group's range searched), in fp32."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data = weight
+    return Int4Linear.from_linear(linear, group_size=group).dequantized_weight()
+
+
 def fake_int4(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """(N, K) rounded to 16 levels between each group's min and max, as Int4Linear.from_linear does."""
+    """(N, K) rounded to 16 levels between each group's min and max (fp32 scale and zero)."""
     groups = weight.reshape(weight.shape[0], -1, group)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
     step = ((high - low) / 15).clamp(min=1e-8)

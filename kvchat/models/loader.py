@@ -84,7 +84,7 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
-    quantization = apply_quantize(model, settings.quantize, source, folder)
+    quantization = apply_quantize(model, settings.quantize, source, folder, progress)
     eos_ids = eos_token_ids(model, tokenizer)
     if not eos_ids:
         raise ModelLoadError(f"{source.model_id} names no end-of-sequence token; replies would never end")
@@ -112,9 +112,14 @@ def _converted_folder(source: ModelSource, progress: ProgressCallback | None) ->
 
 
 def apply_quantize(
-    model: PreTrainedModel, mode: str, source: ModelSource, converted: Path | None
+    model: PreTrainedModel,
+    mode: str,
+    source: ModelSource,
+    converted: Path | None,
+    progress: ProgressCallback | None = None,
 ) -> QuantizeReport | None:
-    """Quantize the linear layers in place; int4 keeps a Q4_0/Q4_1 GGUF's own 4-bit values."""
+    """Quantize the linear layers in place, reporting each layer to `progress` ("quantizing to int4",
+    ...); int4 keeps a Q4_0/Q4_1 GGUF's own 4-bit values."""
     if mode == "none":
         return None
     from_file = None
@@ -129,7 +134,12 @@ def apply_quantize(
             config.num_hidden_layers,
         )
     with torch.no_grad():
-        return quantize_model(model, mode, from_file=from_file)
+        return quantize_model(
+            model,
+            mode,
+            from_file=from_file,
+            progress=lambda done, total: report(progress, f"quantizing to {mode}", done, total),
+        )
 
 
 def quantization_tag(report: QuantizeReport | None) -> str:
