@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelLoadError
+from kvchat.models import int4_rounding
 from kvchat.models import weight_layout as layout
 from kvchat.models.weight_layout import GROUP_SIZE, TILE_ROWS
 from kvchat.native import kernels
@@ -36,10 +37,6 @@ KERNELS = {
 }
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES = (32, 64, 128)  # the inputs per int4 scale and zero that both kernels take
-# Factors each end of an int4 group's range may be shrunk by, in turn, for the least squared error:
-# on SmolLM2 (weights quantized anew) KL 0.26 -> 0.21 in groups of 32, 0.42 -> 0.28 in groups of 128.
-CLIP_FACTORS = (1.0, 0.9, 0.8, 0.7)
-SEARCH_ROWS = 256  # weight rows a step of the search
 
 # A linear's name and module in, its quantized replacement out (or None: quantize it from its weight).
 LayerSource = Callable[[str, nn.Linear], nn.Module | None]
@@ -149,12 +146,7 @@ class Int4Linear(nn.Module):
         if group_size not in INT4_GROUP_SIZES or in_features % group_size:
             raise ValueError(f"int4 needs in_features divisible by {group_size}, got {in_features}")
         groups = _fp32_copy(linear).reshape(out_features, -1, group_size)  # (N, K/G, G)
-        codes = torch.empty(groups.shape, dtype=torch.uint8)
-        scales = torch.empty(groups.shape[:2], dtype=KERNEL_DTYPE)
-        zeros = torch.empty_like(scales)
-        for first in range(0, out_features, SEARCH_ROWS):  # a few MB at a time, in cache
-            rows = slice(first, first + SEARCH_ROWS)
-            codes[rows], scales[rows], zeros[rows] = _searched_int4(groups[rows])
+        codes, scales, zeros = int4_rounding.round_groups(groups)
         return cls(codes.reshape(out_features, in_features), scales, zeros, linear.bias, kernel)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -209,38 +201,6 @@ def fuse_quantized(linears: list[nn.Module]) -> list[torch.Tensor | None] | None
         fused.append(whole)
     fused.append(None if first.bias is None else torch.cat([m.get_buffer("bias") for m in linears]))
     return fused
-
-
-def _searched_int4(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes (R, n, G) and bf16 scales and zeros (R, n) of groups (R, n, G) of fp32 weights, each group's
-    range shrunk where that lowers its squared error (outliers clipped where that serves the rest): its
-    low end by the best of CLIP_FACTORS, then its high end by the best. Scale and zero are rounded to
-    bf16 before the codes are chosen, so the codes fit the values the kernel uses."""
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (R, n)
-    error = _int4_round(groups, low, high)[3]
-    for end in ("low", "high"):
-        for factor in CLIP_FACTORS[1:]:
-            tried_low, tried_high = (low * factor, high) if end == "low" else (low, high * factor)
-            tried = _int4_round(groups, tried_low, tried_high)[3]
-            better = tried < error  # (R, n)
-            error = torch.where(better, tried, error)
-            low, high = torch.where(better, tried_low, low), torch.where(better, tried_high, high)
-    codes, scales, zeros, _ = _int4_round(groups, low, high)
-    return codes.to(torch.uint8), scales, zeros
-
-
-def _int4_round(
-    groups: torch.Tensor, low: torch.Tensor, high: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each group (R, n, G) rounded to 16 levels from low to high (R, n): its codes, bf16 scales and
-    zeros, and squared error (R, n)."""
-    scales = ((high - low) / 15).clamp(min=1e-8).to(KERNEL_DTYPE)
-    zeros = (low + 8 * scales.float()).to(KERNEL_DTYPE)
-    step = scales.float()[..., None]
-    exact = (groups - zeros.float()[..., None]).div_(step)  # the codes' values, less 8, unrounded
-    codes = (exact + 8).round_().clamp_(0, 15)
-    error = (codes - 8).sub_(exact).square_().sum(-1) * step[..., 0].square()  # (R, n)
-    return codes, scales, zeros, error
 
 
 def _choose_kernel(asked: str | None, ours: Callable[[], Callable | None], codes: torch.Tensor) -> str:
