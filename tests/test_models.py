@@ -144,6 +144,22 @@ def test_local_folder_loads_with_eos_union_and_dtype(tiny_folder: Path) -> None:
     assert len(loaded.fingerprint) == 16
 
 
+def test_a_quantized_load_reports_loading_then_quantizing(tiny_folder: Path) -> None:
+    calls: list[tuple[str, float, float | None]] = []
+    load_model(
+        ModelSettings(model=str(tiny_folder), dtype="bf16", device="cpu", threads=1, quantize="int4-g128"),
+        progress=lambda description, completed, total: calls.append((description, completed, total)),
+    )
+    stages = [description for description, _, _ in calls]
+    loading = next(d for d in stages if d.startswith("loading "))
+    assert stages[stages.index(loading) :] == [loading, loading] + ["quantizing to int4-g128"] * (
+        len(stages) - stages.index(loading) - 2
+    )
+    done, total = calls[-1][1:]
+    assert done == total and total is not None and total > 0  # every linear layer, then all of them
+    assert (loading, 1, 1) in calls  # loading is complete before quantizing starts
+
+
 def test_fingerprint_changes_with_the_model(tiny_folder: Path, tmp_path: Path, smollm2: LoadedModel) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(tiny_folder, copy)

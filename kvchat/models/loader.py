@@ -84,11 +84,11 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
+    report(progress, description, 1, 1)  # quantizing, a stage of its own, comes after
     quantization = apply_quantize(model, settings.quantize, source, folder, progress)
     eos_ids = eos_token_ids(model, tokenizer)
     if not eos_ids:
         raise ModelLoadError(f"{source.model_id} names no end-of-sequence token; replies would never end")
-    report(progress, description, 1, 1)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
