@@ -34,6 +34,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
+from kvchat.models import int4_rounding
 from kvchat.models.gguf_quant import GGUFInt4Layers
 from kvchat.models.packaged import ensure_converted, packaged_gguf
 from kvchat.models.progress import quiet_transformers
@@ -107,10 +108,11 @@ def fresh_groups(model: nn.Module, ids: torch.Tensor, log_p: torch.Tensor) -> No
     """What int4 costs by group size on weights not already on a 4-bit grid. The packaged weights are
     the file's Q4_1 values, so groups of 32 on its blocks give them back exactly; groups shifted by 16
     inputs straddle two blocks, as any group does on weights quantized anew. Each decoder linear is
-    rounded to int4 (min and max per group, in fp32, the output layer as it is) and the model scored."""
+    rounded to int4 (the output layer as it is), each group from its min to its max or over kvchat's
+    searched range, and the model scored in fp32."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
     original = {n: m.weight.detach().clone() for n, m in linears.items()}
-    print("\nint4 quantized anew, decoder linears only, in fp32 (the output layer as it is)")
+    print("\nint4 quantized anew, decoder linears only (the output layer as it is), scored in fp32")
     print("| groups | weight error (relative, mean) | KL per token | same top-1 |")
     print("|---|---:|---:|---:|")
     rows = [("32, on the file's blocks", 32, 0, False), ("32, shifted by 16", 32, 16, False),
@@ -123,9 +125,7 @@ def fresh_groups(model: nn.Module, ids: torch.Tensor, log_p: torch.Tensor) -> No
             for name, linear in linears.items():
                 weight = original[name]
                 size = group if weight.shape[1] % group == 0 else 64
-                rounded = (kvchat_int4 if searched else fake_int4)(weight.roll(-shift, 1), size).roll(
-                    shift, 1
-                )
+                rounded = int4_values(weight.roll(-shift, 1), size, searched).roll(shift, 1)
                 errors.append(float((rounded - weight).norm() / weight.norm()))
                 linear.weight.copy_(rounded)
             log_q = model(input_ids=ids[None]).logits[0, :-1].float().log_softmax(-1)
@@ -136,19 +136,16 @@ def fresh_groups(model: nn.Module, ids: torch.Tensor, log_p: torch.Tensor) -> No
             linear.weight.copy_(original[name])
 
 
-def kvchat_int4(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """(N, K) as Int4Linear.from_linear rounds it (each group's range searched), in fp32."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    linear.weight.data = weight
-    return Int4Linear.from_linear(linear, group_size=group).dequantized_weight()
-
-
-def fake_int4(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """(N, K) rounded to 16 levels between each group's min and max (fp32 scale and zero)."""
-    groups = weight.reshape(weight.shape[0], -1, group)
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    step = ((high - low) / 15).clamp(min=1e-8)
-    return (((groups - low) / step).round().clamp(0, 15) * step + low).reshape(weight.shape)
+def int4_values(weight: torch.Tensor, group: int, searched: bool) -> torch.Tensor:
+    """(N, K) rounded to int4 in groups as kvchat rounds them (scale and zero in bf16), in fp32: each
+    group's range searched, or from its min to its max."""
+    groups = weight.reshape(weight.shape[0], -1, group)  # (N, K/G, G)
+    if searched:
+        codes, scales, zeros = int4_rounding.round_groups(groups)
+    else:
+        codes, scales, zeros, _ = int4_rounding.round_to(groups, groups.amin(-1), groups.amax(-1))
+    values = (codes.float() - 8) * scales.float()[..., None] + zeros.float()[..., None]
+    return values.reshape(weight.shape)
 
 
 def perplexity(log_probs: torch.Tensor, targets: torch.Tensor) -> float:
