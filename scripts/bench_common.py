@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -25,6 +28,18 @@ QWEN25_3B = dict(
 )
 
 
+def machine() -> str:
+    """The CPU a run's figures come from, in one line: rates differ between machine classes (one core
+    of the AMD EPYC read 20-30 GB/s, one of the Intel Xeon 9-13), so every run names its own."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    names = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
+    cpu = names[0] if names else platform.processor() or "an unknown CPU"
+    flags = next((set(line.split()) for line in lines if line.startswith("flags")), set())
+    features = ", ".join(flag for flag in ("avx512_vnni", "avx512_bf16", "amx_int8") if flag in flags)
+    return f"machine: {cpu} ({features or 'no AVX-512'}), {os.cpu_count()} CPUs, torch {torch.__version__}"
+
+
 def model_parser(doc: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a local model folder (default: the packaged SmolLM2-135M-Instruct)")
@@ -36,6 +51,7 @@ def model_parser(doc: str | None) -> argparse.ArgumentParser:
 def load(args: argparse.Namespace):
     """(folder, model, tokenizer) for the parsed options; sets the thread count."""
     torch.set_num_threads(args.threads)
+    print(machine())
     folder = args.model or ensure_converted()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype], attn_implementation="sdpa")
     return folder, model.eval(), AutoTokenizer.from_pretrained(folder)

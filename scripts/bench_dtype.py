@@ -14,6 +14,7 @@ import argparse
 import math
 
 import torch
+from bench_common import machine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvchat.models.packaged import ensure_converted
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    print(machine())
     folder = args.model or ensure_converted()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     with quiet_transformers():

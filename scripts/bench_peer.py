@@ -25,6 +25,7 @@ import statistics
 import time
 
 import torch
+from bench_common import machine
 from peer_gguf import big_path, packaged_as, write_big
 from peer_runners import KvchatRunner, LlamaRunner, Runner, make_big_model, make_kvchat_models
 from transformers import AutoTokenizer
@@ -238,6 +239,7 @@ def main() -> None:
     parser.add_argument("--big-tokens", type=int, default=6)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    print(machine())
     tokenizer = AutoTokenizer.from_pretrained(ensure_converted())
     runners = make_runners(args.variants, tokenizer) if {"decode", "ttft"} & set(args.parts) else {}
     if "bandwidth" in args.parts:

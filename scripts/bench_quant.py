@@ -28,7 +28,7 @@ import time
 from itertools import chain
 
 import torch
-from bench_common import QWEN25_3B, decode_tokens_per_s
+from bench_common import QWEN25_3B, decode_tokens_per_s, machine
 from bench_dtype import TEXT as RHINE
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -259,6 +259,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.part != "quality":
+        print(machine())
     if args.part == "quality":
         args.tokens = args.tokens or 400
         quality(args)

@@ -11,6 +11,7 @@ import os
 import statistics
 
 import torch
+from bench_common import machine
 from peer_runners import KvchatRunner, make_kvchat_models
 from transformers import AutoTokenizer
 
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    print(machine())
     folder = ensure_converted()
     num_cpus = len(os.sched_getaffinity(0))
     print(f"torch {torch.__version__}, {num_cpus} CPUs, torch default threads {torch.get_num_threads()}")

@@ -16,7 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from bench_common import model_parser
+from bench_common import machine, model_parser
 
 from kvchat.chunks.attention import attention_map
 from kvchat.chunks.blockmap import cache_map
@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    print(machine())
     cm = session(args)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
     warm = cm.infer_blocking(params)
