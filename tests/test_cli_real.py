@@ -140,7 +140,12 @@ def test_invalid_utf8_and_long_lines_are_errors_not_crashes(tiny_folder, tmp_pat
 
 
 def test_packaged_smollm2_answers_and_reuses(tmp_path):
-    script = b"/system You are a concise assistant.\n/query What is the capital of France?\n/infer\n/infer\n"
+    # a question whose first token leads by ~1.1 logits in fp32 and bf16: "What is the capital of
+    # France?" under this system prompt is a tie between "The" and "La" (0.002 apart in fp32), which
+    # bf16's rounding decides one way in a prefill and may decide the other in a one-row step
+    script = (
+        b"/system You are a concise assistant.\n/query Name the capital city of France.\n/infer\n/infer\n"
+    )
     proc = kvchat(["--json", "--max-tokens", "24"], script, tmp_path)
     assert proc.returncode == 0, proc.stderr.decode()
     first, second = (r for r in records(proc) if r["cmd"] == "infer")

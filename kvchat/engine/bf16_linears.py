@@ -5,8 +5,9 @@ The lean decode step's bf16 linear layers, and the module forward's, are replace
 so its linears' pace is the rate they read weights at. On these CPUs torch's bf16 `F.linear` of one
 row reads 5-11 GB/s; oneDNN's kernel on a weight reordered once for it (`PackedLinear`) 6-17 GB/s;
 kvchat's kernel (`TiledLinear`, native/bf16_linear.cpp) on its tiles of 16 rows streams a SmolLM2
-token's weights at 21-24 GB/s, and is as fast as oneDNN's GEMM on a 512-token prefill, so it serves
-every row count. oneDNN's serves CPUs without AVX-512 BF16.
+token's weights at 21-24 GB/s, and is as fast as oneDNN's GEMM on a 512-token prefill (on CPUs with
+AMX, where it runs several rows on the tile unit, faster), so it serves every row count. oneDNN's
+serves CPUs without AVX-512 BF16.
 Either keeps its weight out of the module's parameters (the packed one is an opaque tensor; the tiles
 are a buffer; under `--compile` a tiled layer keeps its weight too, for the graph): a tied output
 layer keeps the embedding's tensor and gets its own copy.

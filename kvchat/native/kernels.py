@@ -7,8 +7,9 @@
   engine/decode_step.py uses them;
 - quantized_linear.cpp: int4 and int8 linear layers at the machine's read bandwidth, on CPUs with
   AVX-512 VNNI (`int4_linear`, `int8_linear`; models/quantize.py uses them);
-- bf16_linear.cpp: the bf16 linear layer at the machine's read bandwidth, on CPUs with AVX-512 BF16
-  (`bf16_linear`; engine/decode_step.py's TiledLinear uses it).
+- bf16_linear.cpp: the bf16 linear layer at the machine's read bandwidth, on CPUs with AVX-512 BF16,
+  several rows (prefill, speculation's drafts) on AMX's tiles where the CPU has them (`bf16_linear`;
+  engine/decode_step.py's TiledLinear uses it).
 
 They are built at first use with the machine's C++ compiler (`torch.utils.cpp_extension`, ~25 s) for
 this CPU (`-march=native`), and cached by torch under a name that carries the CPU's features, so a
