@@ -1,6 +1,7 @@
 """kvchat's int4 and int8 kernels (`kvchat::int4_linear`, `kvchat::int8_linear`) against the layer's
-weight dequantized in float64, within what rounding their input to int8 twice leaves, and against
-torch's kernels on the same codes."""
+weight dequantized in float64, within what rounding their input to int8 twice leaves (16 or more rows
+of bf16 input run on AMX where the CPU has it, unrounded: well within), and against torch's kernels on
+the same codes."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +83,8 @@ def run_kernel(layer: Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.kvchat.int8_linear(x, layer.codes, layer.scales)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])  # passes of 4 input rows, and what is left
+# passes of 4 input rows, and what is left; on AMX, blocks of 16 rows, the last padded
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 33, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (4, 128), (8, 32)])
 def test_the_kernel_equals_the_dequantized_matmul(
@@ -162,12 +164,14 @@ def test_one_row_computes_each_row_as_the_rows_do(bits: int, group: int, inputs:
     assert all(torch.equal(run_kernel(layer, x[i : i + 1])[0], together[i]) for i in range(5))
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize(("rows", "dtype"), [(1, torch.float32), (5, torch.float32), (40, torch.bfloat16)])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_threads_split_the_rows_without_changing_a_bit(bits: int, rows: int, on_one_then_two_threads) -> None:
+def test_threads_split_the_rows_without_changing_a_bit(
+    bits: int, rows: int, dtype: torch.dtype, on_one_then_two_threads
+) -> None:
     inputs = 128 if bits == 4 else 2048  # int8's one row streams from 64 groups
     layer, _ = (make_layer if bits == 4 else make_int8_layer)(256, inputs)
-    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(3)).to(dtype)
     alone, together = on_one_then_two_threads(lambda: layer(x))
     assert torch.equal(alone, together)
 

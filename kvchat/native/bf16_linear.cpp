@@ -36,6 +36,71 @@
 #define KVCHAT_AMX 1
 #endif
 
+#ifdef KVCHAT_AMX
+// What the AMX paths of this file and quantized_linear.cpp share (declared there too).
+namespace kvchat_amx {
+
+// Asks Linux once for the tile registers' state (arch_prctl ARCH_REQ_XCOMP_PERM of XTILEDATA);
+// without it, AMX instructions fault.
+bool permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// tmm0-3 accumulators (input block i, weight tile j: tmm 2i + j), tmm4-5 input blocks, tmm6-7
+// weight tiles; each 16 rows of 64 bytes. Each thread configures its own before its tile work. A
+// constant in memory: GCC 12 took a configuration built on the stack for dead stores (ldtilecfg's
+// builtin does not tell it that it reads them) and loaded zero rows.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+void configure_tiles() { _tile_loadconfig(&kTileConfig); }
+
+// I blocks of 16 input rows (x, `inputs` apart) against J weight tiles from w (`pairs` operands each),
+// over operands first..end-1 (whole tiles of 16): sums[(i J + j) * 256 + 16 r + n], row r of block i
+// and output n of tile j.
+template <int I, int J>
+void block(const uint16_t* x, int64_t inputs, const uint16_t* w, int64_t pairs, int64_t first, int64_t end,
+           float* sums) {
+  const int64_t stride = inputs * sizeof(uint16_t);
+  _tile_zero(0);
+  if constexpr (J > 1) _tile_zero(1);
+  if constexpr (I > 1) _tile_zero(2);
+  if constexpr (I > 1 && J > 1) _tile_zero(3);
+  for (int64_t p = first; p < end; p += 16) {
+    _tile_loadd(6, w + p * 32, 64);
+    if constexpr (J > 1) _tile_loadd(7, w + (pairs + p) * 32, 64);
+    _tile_loadd(4, x + 2 * p, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (J > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (I > 1) {
+      _tile_loadd(5, x + 16 * inputs + 2 * p, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (J > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t kTile = 16 * 16;
+  _tile_stored(0, sums, 64);
+  if constexpr (J > 1) _tile_stored(1, sums + kTile, 64);
+  if constexpr (I > 1) _tile_stored(2, sums + J * kTile, 64);
+  if constexpr (I > 1 && J > 1) _tile_stored(3, sums + 3 * kTile, 64);
+}
+
+void blocks(int I, int J, const uint16_t* x, int64_t inputs, const uint16_t* w, int64_t pairs, int64_t first,
+            int64_t end, float* sums) {
+  if (I == 2 && J == 2) block<2, 2>(x, inputs, w, pairs, first, end, sums);
+  else if (I == 2) block<2, 1>(x, inputs, w, pairs, first, end, sums);
+  else if (J == 2) block<1, 2>(x, inputs, w, pairs, first, end, sums);
+  else block<1, 1>(x, inputs, w, pairs, first, end, sums);
+}
+
+}  // namespace kvchat_amx
+#endif
+
 namespace {
 
 constexpr int64_t kRows = 16;    // output rows a tile
@@ -165,61 +230,12 @@ constexpr int64_t kAmxPairs = 16;  // operands (input pairs) an AMX tile
 // costs the streaming loop (weight-bound), and 2 already cost the loop above more (one row: as much)
 constexpr int64_t kAmxFrom = 2;
 
-// The kernel asks Linux once for the tile registers' state (arch_prctl ARCH_REQ_XCOMP_PERM of
-// XTILEDATA); without it, AMX instructions fault.
-bool amx_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return permitted;
-}
-
-// tmm0-3 accumulators (input block i, tile j: tmm 2i + j), tmm4-5 input blocks, tmm6-7 weight tiles;
-// each 16 rows of 64 bytes.
-void configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int i = 0; i < 8; ++i) {
-    config.bytes_per_row[i] = 64;
-    config.rows[i] = kAmxRows;
-  }
-  _tile_loadconfig(&config);
-}
-
-// I blocks of 16 input rows (x, `inputs` apart) against J tiles from w (`pairs` operands each):
-// sums[(i J + j) * 256 + 16 r + n], row r of block i and output n of tile j.
-template <int I, int J>
-void amx_block(const uint16_t* x, int64_t inputs, const uint16_t* w, int64_t pairs, float* sums) {
-  const int64_t stride = inputs * sizeof(uint16_t);
-  _tile_zero(0);
-  if constexpr (J > 1) _tile_zero(1);
-  if constexpr (I > 1) _tile_zero(2);
-  if constexpr (I > 1 && J > 1) _tile_zero(3);
-  for (int64_t p = 0; p < pairs; p += kAmxPairs) {
-    _tile_loadd(6, w + p * kPair, 64);
-    if constexpr (J > 1) _tile_loadd(7, w + (pairs + p) * kPair, 64);
-    _tile_loadd(4, x + 2 * p, stride);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (J > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (I > 1) {
-      _tile_loadd(5, x + kAmxRows * inputs + 2 * p, stride);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (J > 1) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  constexpr int64_t kTile = kAmxRows * kRows;
-  _tile_stored(0, sums, 64);
-  if constexpr (J > 1) _tile_stored(1, sums + kTile, 64);
-  if constexpr (I > 1) _tile_stored(2, sums + J * kTile, 64);
-  if constexpr (I > 1 && J > 1) _tile_stored(3, sums + 3 * kTile, 64);
-}
 
 // Input rows 0..rows-1 of x (their count rounded up to 16 in x, the rest zeros) against tiles
 // begin..end-1, two at a time: out[r * width + n] as the loop above writes it.
 void amx_rows(const uint16_t* w, int64_t pairs, const uint16_t* x, int64_t rows, const float* bias,
               const uint16_t* residual, uint16_t* out, int64_t width, int64_t begin, int64_t end) {
-  configure_tiles();
+  kvchat_amx::configure_tiles();
   alignas(64) float sums[4 * kAmxRows * kRows];
   const int64_t blocks = (rows + kAmxRows - 1) / kAmxRows;
   for (int64_t t = begin; t < end; t += 2) {
@@ -228,10 +244,7 @@ void amx_rows(const uint16_t* w, int64_t pairs, const uint16_t* x, int64_t rows,
     for (int64_t block = 0; block < blocks; block += 2) {
       const int I = blocks - block >= 2 ? 2 : 1;
       const uint16_t* xb = x + block * kAmxRows * (2 * pairs);
-      if (I == 2 && J == 2) amx_block<2, 2>(xb, 2 * pairs, wt, pairs, sums);
-      else if (I == 2) amx_block<2, 1>(xb, 2 * pairs, wt, pairs, sums);
-      else if (J == 2) amx_block<1, 2>(xb, 2 * pairs, wt, pairs, sums);
-      else amx_block<1, 1>(xb, 2 * pairs, wt, pairs, sums);
+      kvchat_amx::blocks(I, J, xb, 2 * pairs, wt, pairs, 0, pairs, sums);
       for (int i = 0; i < I; ++i)
         for (int j = 0; j < J; ++j) {
           const int64_t n = (t + j) * kRows;
@@ -283,7 +296,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, const std::
     return out;
   }
 #ifdef KVCHAT_AMX
-  if (rows >= kAmxFrom && pairs % kAmxPairs == 0 && amx_permitted()) {
+  if (rows >= kAmxFrom && pairs % kAmxPairs == 0 && kvchat_amx::permitted()) {
     // the last block's missing rows as zeros: a tile load reads 16 rows
     at::Tensor padded = input;
     if (rows % kAmxRows) {
