@@ -327,8 +327,8 @@ at::Tensor by_tiles(const at::Tensor& x, int64_t tiles, Tile&& tile) {
 // operand layout, once a call, and the tile unit multiplies the input by them as they are, in fp32
 // sums; the scales come after, per span of groups (int4; its zeros by the span's exact input sums)
 // or per row (int8). The input is not rounded at all, where the integer path rounds it to within
-// 1/65,000 of each group's largest value. On a 2.1 GHz Xeon, one thread, 64 to 512 rows: int4 300-330
-// GFLOP/s where the integer path ran 160-180, int4-g128 330-530 (140-160), int8 300-550 (110-180);
+// 1/65,000 of each group's largest value. On a 2.1 GHz Xeon, one thread, 64 to 512 rows: int4 230-330
+// GFLOP/s where the integer path ran 100-180, int4-g128 330-530 (110-160), int8 300-550 (110-180);
 // 16 rows 1.1-2.2x; fewer rows stay on the integer path, which reads the weights once for them.
 constexpr int64_t kAmxFrom = 16;  // input rows from which AMX serves (fewer: the integer path)
 
@@ -372,8 +372,8 @@ void int8_operands(const uint8_t* codes, int64_t groups, uint16_t* ops) {
 }
 
 // x (M, K) bf16 against every tile: out (M, N) fp32. `operands(t, ops)` widens tile t's codes;
-// `finish(t, span, sums, x_sums, acc)` adds a span's 16x16 sums of tile t into acc (16 rows by 16
-// outputs), given the rows' exact input sums over that span; `spans` a row.
+// `finish(t, span, sums, x_sums, spans, acc)` adds a span's 16x16 sums of tile t into acc (16 rows by
+// 16 outputs), given the 16 rows' exact input sums per span (x_sums[r * spans + span]); `spans` a row.
 template <typename Operands, typename Finish>
 at::Tensor amx_linear(const at::Tensor& x, int64_t tiles, int64_t spans, Operands&& operands, Finish&& finish) {
   const int64_t rows = x.size(0), inputs = x.size(1), pairs = inputs / 2, span_pairs = pairs / spans;
