@@ -56,7 +56,8 @@ struct alignas(64) TileConfig {
   uint16_t bytes_per_row[16];
   uint8_t rows[16];
 };
-constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+constexpr TileConfig kTileConfig = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
 void configure_tiles() { _tile_loadconfig(&kTileConfig); }
 
@@ -229,7 +230,6 @@ constexpr int64_t kAmxPairs = 16;  // operands (input pairs) an AMX tile
 // input rows from which AMX serves, the last block padded with zeros: 16 rows cost it what one row
 // costs the streaming loop (weight-bound), and 2 already cost the loop above more (one row: as much)
 constexpr int64_t kAmxFrom = 2;
-
 
 // Input rows 0..rows-1 of x (their count rounded up to 16 in x, the rest zeros) against tiles
 // begin..end-1, two at a time: out[r * width + n] as the loop above writes it.
