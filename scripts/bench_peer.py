@@ -14,7 +14,7 @@ the quantized kinds asked for, and llama.cpp's types asked for, on GGUF files of
 written once: ~2 minutes and 11 GB of disk for all three types), big-turns (kvchat's kinds alone on
 that model, held in memory together and taking turns, `--repeats` rounds: the median of each kind's
 ratios to bf16 round by round, which the machine's drift moves least; ~13 GB of memory for bf16, int8,
-int4 and int4-g128).
+int4 and int4-g128; `--big-ttft-tokens N` adds each kind's cold TTFT over N tokens, in turns too).
 """
 
 from __future__ import annotations
@@ -223,6 +223,20 @@ def run_big_turns(args) -> None:
         "| variant | tok/s (median) | weights GB/s | vs bf16 (median of the rounds' ratios) | range |",
         rows,
     )
+    if args.big_ttft_tokens:
+        long_prompt = list(range(1000, 1000 + args.big_ttft_tokens))
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for _ in range(args.repeats):
+            for kind, runner in runners.items():
+                times[kind].append(runner.ttft_cold(long_prompt))
+        table(
+            f"Cold TTFT over {args.big_ttft_tokens} tokens, the kinds taking turns, {args.repeats} rounds",
+            "| variant | seconds (median) | range |",
+            [
+                f"| kvchat-{k} | {statistics.median(t):.2f} | {min(t):.2f}-{max(t):.2f} |"
+                for k, t in times.items()
+            ],
+        )
 
 
 def main() -> None:
@@ -237,6 +251,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--ttft-tokens", type=int, default=2000)
     parser.add_argument("--big-tokens", type=int, default=6)
+    parser.add_argument(
+        "--big-ttft-tokens", type=int, default=0, help="big-turns: a cold prefill too (0: none)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(machine())
