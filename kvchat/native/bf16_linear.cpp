@@ -61,6 +61,16 @@ constexpr TileConfig kTileConfig = {
 
 void configure_tiles() { _tile_loadconfig(&kTileConfig); }
 
+// x (M, K), contiguous, its rows made a whole number of 16-row blocks with zero rows: a tile load
+// reads 16 rows.
+at::Tensor whole_blocks(const at::Tensor& x) {
+  const int64_t rows = x.size(0), padded = (rows + 15) / 16 * 16;
+  if (padded == rows) return x.contiguous();
+  at::Tensor out = at::zeros({padded, x.size(1)}, x.options());
+  out.narrow(0, 0, rows).copy_(x);
+  return out;
+}
+
 // I blocks of 16 input rows (x, `inputs` apart) against J weight tiles from w (`pairs` operands each),
 // over operands first..end-1 (whole tiles of 16): sums[(i J + j) * 256 + 16 r + n], row r of block i
 // and output n of tile j.
@@ -297,12 +307,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, const std::
   }
 #ifdef KVCHAT_AMX
   if (rows >= kAmxFrom && pairs % kAmxPairs == 0 && kvchat_amx::permitted()) {
-    // the last block's missing rows as zeros: a tile load reads 16 rows
-    at::Tensor padded = input;
-    if (rows % kAmxRows) {
-      padded = at::zeros({(rows + kAmxRows - 1) / kAmxRows * kAmxRows, inputs}, input.options());
-      padded.narrow(0, 0, rows).copy_(input);
-    }
+    const at::Tensor padded = kvchat_amx::whole_blocks(input);
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(padded.data_ptr<at::BFloat16>());
     at::parallel_for(0, (tiles.size(0) + 1) / 2, 1, [&](int64_t begin, int64_t end) {
       amx_rows(w, pairs, xp, rows, b, res, o, width, 2 * begin, std::min(2 * end, tiles.size(0)));

@@ -42,6 +42,7 @@
 namespace kvchat_amx {
 bool permitted();
 void configure_tiles();
+at::Tensor whole_blocks(const at::Tensor& x);
 void blocks(int I, int J, const uint16_t* x, int64_t inputs, const uint16_t* w, int64_t pairs, int64_t first,
             int64_t end, float* sums);
 }  // namespace kvchat_amx
@@ -377,12 +378,8 @@ void int8_operands(const uint8_t* codes, int64_t groups, uint16_t* ops) {
 template <typename Operands, typename Finish>
 at::Tensor amx_linear(const at::Tensor& x, int64_t tiles, int64_t spans, Operands&& operands, Finish&& finish) {
   const int64_t rows = x.size(0), inputs = x.size(1), pairs = inputs / 2, span_pairs = pairs / spans;
-  const int64_t padded_rows = (rows + 15) / 16 * 16, width = tiles * kRows;
-  at::Tensor input = x.contiguous();
-  if (padded_rows != rows) {  // a tile load reads 16 rows: the last block's missing ones as zeros
-    input = at::zeros({padded_rows, inputs}, x.options());
-    input.narrow(0, 0, rows).copy_(x);
-  }
+  const at::Tensor input = kvchat_amx::whole_blocks(x);
+  const int64_t padded_rows = input.size(0), width = tiles * kRows;
   const at::Tensor input_sums = input.to(at::kFloat).view({padded_rows, spans, inputs / spans}).sum(-1).contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>());
   const float* xs = input_sums.data_ptr<float>();
