@@ -55,12 +55,12 @@ constexpr int64_t kGroup = 32;                     // inputs per scale and zero
 constexpr int64_t kCodeBytes = kRows * kGroup / 2;  // an int4 tile-group's codes
 constexpr int64_t kByteCodes = kRows * kGroup;      // an int8 tile-group's codes
 constexpr int64_t kBatch = 4;                      // input rows a pass over a tile
-// groups ahead to prefetch the codes of (past the end: prefetches never fault): into L1 for several
-// input rows; for one row of int4 into L2, the params too, 32 groups (8 KB of codes) ahead, which
-// decoded Qwen2.5-3B's shapes 3-7% faster than 8 into L1 (16 ahead: no faster), and the params
-// prefetched with the input's broadcasts from memory (broadcast_four) another 3.6-5.1%
-constexpr int64_t kAhead = 8, kInt4RowAhead = 32;
-constexpr int64_t kStreams = 4;  // int8 tiles one input row streams at once, where a row has at least
+// groups ahead to prefetch the codes of into L1, for several input rows (past the end: prefetches never
+// fault)
+constexpr int64_t kAhead = 8;
+constexpr int64_t kInt4Streams = 8;  // int4 tiles one input row streams at once
+constexpr int64_t kInt4StreamAhead = 4;  // groups ahead each stream prefetches into L1, its params too
+constexpr int64_t kInt8Streams = 4;  // int8 tiles one input row streams at once, where a row has at least
 constexpr int64_t kStreamGroups = 64;  // these groups (shorter ones decode faster a tile at a time)
 constexpr int64_t kByteAhead = 2;  // int8 groups ahead a streaming row prefetches (4 or more: 20% slower)
 
@@ -172,6 +172,25 @@ __m512i InputRows::dot(const __m512i (&v)[8], int b, int64_t g) const {
   return group_dot(v, codes + b * inputs + g * kGroup, residues + b * inputs + g * kGroup);
 }
 
+// One int4 tile-group's codes as group_dot's eight blocks, the lines `ahead` groups on prefetched into L1.
+inline void int4_blocks(const uint8_t* c, int64_t ahead, __m512i (&v)[8]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(c + ahead * kCodeBytes + 64 * i), _MM_HINT_T0);
+    const __m512i raw = _mm512_loadu_si512(c + 64 * i);
+    v[i] = _mm512_and_si512(raw, low);
+    v[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+  }
+}
+
+// acc plus one span of an int4 tile: its dot products (already at their input scales) times its 16
+// scales, and its zeros' share, (zero - 8 scale) times the span's exact input sum.
+inline __m512 add_span(__m512 acc, __m512 dots, const uint16_t* param, float sum) {
+  const __m512 scale = widen_bf16(param);
+  const __m512 offset = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), scale, widen_bf16(param + kRows));
+  return _mm512_fmadd_ps(offset, _mm512_set1_ps(sum), _mm512_fmadd_ps(dots, scale, acc));
+}
+
 // B input rows against one int4 tile of 16 output rows: out[b * out_stride + r]. Each scale and zero
 // serves S consecutive groups of 32 inputs (a group of 32 S): their dot products are summed in fp32,
 // each at its input scale, then multiplied by the weight's scale once.
@@ -179,31 +198,15 @@ template <int B, int S>
 void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, const QuantizedInput& x,
                int64_t first_row, float* out, int64_t out_stride) {
   const InputRows rows(x, first_row);
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512 minus_eight = _mm512_set1_ps(-8.0f);
   __m512 acc[B];
   for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
   for (int64_t span = 0; span < groups / S; ++span) {
-    const uint16_t* param = params + span * 2 * kRows;
-    if constexpr (B == 1)
-      _mm_prefetch(reinterpret_cast<const char*>(param + kInt4RowAhead / S * 2 * kRows), _MM_HINT_T1);
-    const __m512 scale = widen_bf16(param);
-    const __m512 offset = _mm512_fmadd_ps(minus_eight, scale, widen_bf16(param + kRows));
     __m512 dots[B];
     float sums[B];
     for (int s = 0; s < S; ++s) {
       const int64_t g = span * S + s;
-      const uint8_t* c = codes + g * kCodeBytes;
       __m512i v[8];
-      for (int i = 0; i < 4; ++i) {
-        if constexpr (B == 1)
-          _mm_prefetch(reinterpret_cast<const char*>(c + kInt4RowAhead * kCodeBytes + 64 * i), _MM_HINT_T1);
-        else
-          _mm_prefetch(reinterpret_cast<const char*>(c + kAhead * kCodeBytes + 64 * i), _MM_HINT_T0);
-        const __m512i raw = _mm512_loadu_si512(c + 64 * i);
-        v[i] = _mm512_and_si512(raw, low);
-        v[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-      }
+      int4_blocks(codes + g * kCodeBytes, kAhead, v);
       for (int b = 0; b < B; ++b) {
         // |sum(code * (256 xq + xr))| <= 32 * 15 * (256 * 127 + 128) < 2^24: exact in int32 and fp32
         const __m512 dot = _mm512_cvtepi32_ps(rows.dot(v, b, g));
@@ -212,12 +215,49 @@ void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, con
         sums[b] = s == 0 ? rows.sums[b * groups + g] : sums[b] + rows.sums[b * groups + g];
       }
     }
-    for (int b = 0; b < B; ++b) {
-      acc[b] = _mm512_fmadd_ps(dots[b], scale, acc[b]);
-      acc[b] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[b]), acc[b]);
-    }
+    for (int b = 0; b < B; ++b) acc[b] = add_span(acc[b], dots[b], params + span * 2 * kRows, sums[b]);
   }
   for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + b * out_stride, acc[b]);
+}
+
+// One input row against T consecutive int4 tiles at once (int4_tile's sums in its order), each
+// tile's codes and params prefetched into L1 a few groups ahead, and near the row's end the next
+// tiles' first groups (SmolLM2's rows are 18 and 48 groups long). On a 2.1 GHz Xeon, one thread,
+// eight tiles at once read Qwen2.5-3B's and SmolLM2's int4 weights at 0.98-1.0x the pace of the bf16
+// kernel's streams, where one tile at a time (prefetched 32 groups ahead into L2) read at 0.89x;
+// int4-g128's at 0.92x (0.85x). Into L2 instead: 2-4% slower; 2 or 4 tiles at once: 3-15% slower;
+// 16: 5%.
+template <int T, int S>
+void int4_row_tiles(const uint8_t* codes, const uint16_t* params, int64_t groups, const QuantizedInput& x,
+                    float* out) {
+  const InputRows rows(x, 0);
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  const int64_t spans = groups / S, span_ahead = kInt4StreamAhead / S;
+  for (int64_t span = 0; span < spans; ++span) {
+    __m512 dots[T];
+    float sum = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      const int64_t g = span * S + s;
+      const __m512 step = _mm512_set1_ps(rows.scales[g] / 256.0f);
+      sum += rows.sums[g];
+      // near the row's end, the start of the tile this stream takes next (T tiles on)
+      const int64_t ahead = g + kInt4StreamAhead < groups ? kInt4StreamAhead : kInt4StreamAhead + (T - 1) * groups;
+      for (int t = 0; t < T; ++t) {
+        __m512i v[8];
+        int4_blocks(codes + (t * groups + g) * kCodeBytes, ahead, v);
+        const __m512 dot = _mm512_cvtepi32_ps(rows.dot(v, 0, g));
+        dots[t] = s == 0 ? _mm512_mul_ps(dot, step) : _mm512_fmadd_ps(dot, step, dots[t]);
+      }
+    }
+    const int64_t params_ahead = span + span_ahead < spans ? span_ahead : span_ahead + (T - 1) * spans;
+    for (int t = 0; t < T; ++t) {
+      const uint16_t* param = params + (t * spans + span) * 2 * kRows;
+      _mm_prefetch(reinterpret_cast<const char*>(param + params_ahead * 2 * kRows), _MM_HINT_T0);
+      acc[t] = add_span(acc[t], dots[t], param, sum);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
 }
 
 // B input rows against one int8 tile of 16 output rows: out[b * out_stride + r].
@@ -246,10 +286,11 @@ void int8_tile(const uint8_t* codes, const uint16_t* row_scales, int64_t groups,
 }
 
 // One input row against T consecutive int8 tiles at once, their codes prefetched into L2 two groups
-// ahead: on Qwen2.5-3B's shapes (64 and 344 groups a row) 23-25 GB/s where one tile at a time (8
-// groups ahead into L1) read 17-20; 4 or 8 groups ahead read no faster than one tile. On SmolLM2's
-// short rows (18 and 48 groups) it decoded 10-20% slower: each tile's first lines come unprefetched.
-// out[r], r < 16 T.
+// ahead: on the AMD EPYC, Qwen2.5-3B's shapes (64 and 344 groups a row) at 23-25 GB/s where one tile
+// at a time (8 groups ahead into L1) read 17-20; 4 or 8 groups ahead read no faster than one tile. On
+// SmolLM2's short rows (18 and 48 groups) it decoded 10-20% slower: each tile's first lines come
+// unprefetched. On the Xeon, into L1 read the 3B shapes 4% faster kernel only, but decoded them at
+// 1.00x (one process taking turns). out[r], r < 16 T.
 template <int T>
 void int8_row_tiles(const uint8_t* codes, const uint16_t* row_scales, int64_t groups, const QuantizedInput& x,
                     float* out) {
@@ -274,25 +315,24 @@ void int8_row_tiles(const uint8_t* codes, const uint16_t* row_scales, int64_t gr
     _mm512_storeu_ps(out + t * kRows, _mm512_mul_ps(acc[t], widen_bf16(row_scales + t * kRows)));
 }
 
-// One input row against every tile, kStreams at a time (then 2, then 1): row_tiles(n, t, q, out)
-// computes tiles t..t+n-1. int8 only: int4 tiles streamed so decoded Qwen2.5-3B's shapes no faster
-// and SmolLM2's 15-18% slower; with each group's params beside its codes (another layout), 4-6%
-// faster and 3-5% slower. The int4 kernel reads ~23 GB/s where bf16's reads ~29: its integer work,
-// ~40 GB/s alone from L1, overlaps the memory's only in part, and even a kernel that only loaded its
-// bytes decoded 2.7x bf16's pace, not 3x (scripts/README.md).
-template <typename RowTiles>
+// One input row against every tile, Streams at a time (then 4, 2, 1): row_tiles(n, t, q, out) computes
+// tiles t..t+n-1. int8 streams 4 tiles where a row has kStreamGroups; int4 streams 8, on every row. On
+// the AMD EPYC, an earlier int4 streaming (into L2) decoded Qwen2.5-3B's shapes no faster and SmolLM2's
+// 15-18% slower; the streams into L1 have been measured on the Xeon only. On the AMD, one int4 tile at
+// a time read ~23 GB/s where bf16's streams read ~29: its integer work, ~40 GB/s alone from L1,
+// overlapped the memory's only in part (scripts/README.md).
+template <int64_t Streams, typename RowTiles>
 at::Tensor by_streams(const at::Tensor& x, int64_t tiles, RowTiles&& row_tiles) {
   const QuantizedInput q = quantize_input(x);
   at::Tensor out = at::empty({1, tiles * kRows}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, tiles, kStreams, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles, Streams, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end;) {
-      const int64_t n = end - t >= kStreams ? kStreams : end - t >= 2 ? 2 : 1;
-      switch (n) {
-        case kStreams: row_tiles(std::integral_constant<int, kStreams>{}, t, q, o + t * kRows); break;
-        case 2: row_tiles(std::integral_constant<int, 2>{}, t, q, o + t * kRows); break;
-        default: row_tiles(std::integral_constant<int, 1>{}, t, q, o + t * kRows); break;
-      }
+      const int64_t left = end - t, n = left >= Streams ? Streams : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      if (n == Streams) row_tiles(std::integral_constant<int, Streams>{}, t, q, o + t * kRows);
+      else if (n == 4) row_tiles(std::integral_constant<int, 4>{}, t, q, o + t * kRows);
+      else if (n == 2) row_tiles(std::integral_constant<int, 2>{}, t, q, o + t * kRows);
+      else row_tiles(std::integral_constant<int, 1>{}, t, q, o + t * kRows);
       t += n;
     }
   });
@@ -441,6 +481,12 @@ at::Tensor int4_spans(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const int64_t groups = codes.size(1);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* p = reinterpret_cast<const uint16_t*>(params.data_ptr<at::BFloat16>());
+  if (x.size(0) == 1)
+    return by_streams<kInt4Streams>(x, codes.size(0), [&](auto streams, int64_t t, const QuantizedInput& q,
+                                                          float* to) {
+      int4_row_tiles<decltype(streams)::value, S>(c + t * groups * kCodeBytes, p + t * groups / S * 2 * kRows,
+                                                  groups, q, to);
+    });
   return by_tiles(x, codes.size(0), [&](auto batch, int64_t t, const QuantizedInput& q, int64_t b, float* to,
                                         int64_t width) {
     int4_tile<decltype(batch)::value, S>(c + t * groups * kCodeBytes, p + t * groups / S * 2 * kRows, groups, q,
@@ -455,19 +501,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     const int64_t groups = codes.size(1), spans = params.size(1);
     const uint8_t* c = codes.data_ptr<uint8_t>();
     const uint16_t* p = reinterpret_cast<const uint16_t*>(params.data_ptr<at::BFloat16>());
-    const __m512 minus_eight = _mm512_set1_ps(-8.0f);
     return amx_linear(
         x, codes.size(0), spans,
         [&](int64_t t, uint16_t* ops) { int4_operands(c + t * groups * kCodeBytes, groups, ops); },
         [&](int64_t t, int64_t s, const float* sums, const float* x_sums, int64_t row_spans, float* acc) {
-          // weight = (code - 8) * scale + zero: scale * sum(x code) + (zero - 8 scale) * sum(x)
           const uint16_t* param = p + (t * spans + s) * 2 * kRows;
-          const __m512 scale = widen_bf16(param);
-          const __m512 offset = _mm512_fmadd_ps(minus_eight, scale, widen_bf16(param + kRows));
-          for (int r = 0; r < 16; ++r) {
-            const __m512 sum = _mm512_fmadd_ps(_mm512_load_ps(sums + 16 * r), scale, _mm512_load_ps(acc + 16 * r));
-            _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[r * row_spans + s]), sum));
-          }
+          for (int r = 0; r < 16; ++r)
+            _mm512_store_ps(acc + 16 * r, add_span(_mm512_load_ps(acc + 16 * r), _mm512_load_ps(sums + 16 * r),
+                                                   param, x_sums[r * row_spans + s]));
         });
   }
 #endif
@@ -501,7 +542,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
         });
 #endif
   if (x.size(0) == 1 && groups >= kStreamGroups)
-    return by_streams(x, tiles, [&](auto streams, int64_t t, const QuantizedInput& q, float* to) {
+    return by_streams<kInt8Streams>(x, tiles, [&](auto streams, int64_t t, const QuantizedInput& q, float* to) {
       int8_row_tiles<decltype(streams)::value>(c + t * groups * kByteCodes, s + t * kRows, groups, q, to);
     });
   return by_tiles(x, tiles, [&](auto batch, int64_t t, const QuantizedInput& q, int64_t b, float* to,
