@@ -134,7 +134,9 @@ def test_packaged_smollm2_in_int4_runs_on_its_own_q4_1_values() -> None:
     assert report.quantized == ["lm_head"]  # tied to the Q8_0 embedding: int8 from its values
     assert int4.fingerprint != plain.fingerprint  # KV saved by one is refused by the other
     tokenizer = int4.tokenizer
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # not "What is the capital of France?": its first token is a tie between "The" and "L" (one bf16
+    # step apart in the logits, 25.375 and 25.25), which any change in a kernel's sums may turn over
+    messages = [{"role": "user", "content": "Name the capital city of France."}]
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     ids = encoded["input_ids"]  # (1, T)
     with torch.inference_mode():
