@@ -156,8 +156,9 @@ def test_asking_for_kvchats_kernel_where_it_cannot_run_is_refused(monkeypatch: p
 @pytest.mark.parametrize("inputs", [128, 2048])  # int8 rows of 64 groups and more stream
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 128), (8, 32)])
 def test_one_row_computes_each_row_as_the_rows_do(bits: int, group: int, inputs: int) -> None:
-    """One input row (int4 streaming 8 tiles at once, int8's long rows 4, then 4, 2, 1: 15 tiles take
-    each) takes the same sums, in the same order, as the passes over several rows."""
+    """One input row (int4 streaming 8 tiles at once, int8's long rows 4, then the rest 4, 2 and 1 at
+    a time: 15 tiles take every count) takes the same sums, in the same order, as the passes over
+    several rows."""
     layer, _ = make_layer(16 * 15, inputs, group=group) if bits == 4 else make_int8_layer(16 * 15, inputs)
     x = torch.randn(5, inputs, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     together = run_kernel(layer, x)

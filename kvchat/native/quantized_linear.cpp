@@ -223,7 +223,7 @@ void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, con
 // One input row against T consecutive int4 tiles at once (int4_tile's sums in its order), each
 // tile's codes and params prefetched into L1 a few groups ahead, and near the row's end the next
 // tiles' first groups (SmolLM2's rows are 18 and 48 groups long). On a 2.1 GHz Xeon, one thread,
-// eight tiles at once read Qwen2.5-3B's and SmolLM2's int4 weights at 0.98-1.0x the pace of the bf16
+// eight tiles at once read Qwen2.5-3B's and SmolLM2's int4 weights at 0.97-1.0x the pace of the bf16
 // kernel's streams, where one tile at a time (prefetched 32 groups ahead into L2) read at 0.89x;
 // int4-g128's at 0.92x (0.85x). Into L2 instead: 2-4% slower; 2 or 4 tiles at once: 3-15% slower;
 // 16: 5%.
