@@ -24,8 +24,9 @@ from kvchat.models import int4_rounding
 from kvchat.models import weight_layout as layout
 from kvchat.models.weight_layout import GROUP_SIZE, TILE_ROWS
 from kvchat.native import kernels
+from kvchat.settings_schema import all_settings
 
-QUANTIZE_MODES = ("none", "int8", "int4", "int4-g128")
+QUANTIZE_MODES = all_settings()["model.quantize"].spec.choices  # declared once, with the setting
 # The int4 modes' inputs per scale and zero: 32 as GGUF's Q4_0/Q4_1 (5 bits a weight), or 128 (4.25).
 INT4_GROUPS = {"int4": 32, "int4-g128": 128}
 # The aten ops each mode runs on each device type (torch >= 2.6 has the CPU int4 ones).
