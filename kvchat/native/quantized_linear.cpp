@@ -414,15 +414,18 @@ void int8_operands(const uint8_t* codes, int64_t groups, uint16_t* ops) {
 
 // x (M, K) bf16 against every tile: out (M, N) fp32. `operands(t, ops)` widens tile t's codes;
 // `finish(t, span, sums, x_sums, spans, acc)` adds a span's 16x16 sums of tile t into acc (16 rows by
-// 16 outputs), given the 16 rows' exact input sums per span (x_sums[r * spans + span]); `spans` a row.
+// 16 outputs), given the 16 rows' exact input sums per span (x_sums[r * spans + span], where
+// `with_sums`, else null); `spans` a row.
 template <typename Operands, typename Finish>
-at::Tensor amx_linear(const at::Tensor& x, int64_t tiles, int64_t spans, Operands&& operands, Finish&& finish) {
+at::Tensor amx_linear(const at::Tensor& x, int64_t tiles, int64_t spans, bool with_sums, Operands&& operands,
+                      Finish&& finish) {
   const int64_t rows = x.size(0), inputs = x.size(1), pairs = inputs / 2, span_pairs = pairs / spans;
   const at::Tensor input = kvchat_amx::whole_blocks(x);
   const int64_t padded_rows = input.size(0), width = tiles * kRows;
-  const at::Tensor input_sums = input.to(at::kFloat).view({padded_rows, spans, inputs / spans}).sum(-1).contiguous();
+  at::Tensor input_sums;
+  if (with_sums) input_sums = input.to(at::kFloat).view({padded_rows, spans, inputs / spans}).sum(-1).contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>());
-  const float* xs = input_sums.data_ptr<float>();
+  const float* xs = with_sums ? input_sums.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({rows, width}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
@@ -440,7 +443,7 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t tiles, int64_t spans, Operand
                              (span + 1) * span_pairs, sums);
           for (int i = 0; i < I; ++i)
             for (int j = 0; j < J; ++j)
-              finish(t + j, span, sums + (i * J + j) * 256, xs + (block + i) * 16 * spans, spans,
+              finish(t + j, span, sums + (i * J + j) * 256, xs ? xs + (block + i) * 16 * spans : nullptr, spans,
                      acc + (i * J + j) * 256);
         }
         for (int i = 0; i < I; ++i)
@@ -502,7 +505,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     const uint8_t* c = codes.data_ptr<uint8_t>();
     const uint16_t* p = reinterpret_cast<const uint16_t*>(params.data_ptr<at::BFloat16>());
     return amx_linear(
-        x, codes.size(0), spans,
+        x, codes.size(0), spans, true,
         [&](int64_t t, uint16_t* ops) { int4_operands(c + t * groups * kCodeBytes, groups, ops); },
         [&](int64_t t, int64_t s, const float* sums, const float* x_sums, int64_t row_spans, float* acc) {
           const uint16_t* param = p + (t * spans + s) * 2 * kRows;
@@ -533,7 +536,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 #ifdef KVCHAT_AMX
   if (amx_serves(x))
     return amx_linear(
-        x, tiles, 1, [&](int64_t t, uint16_t* ops) { int8_operands(c + t * groups * kByteCodes, groups, ops); },
+        x, tiles, 1, false, [&](int64_t t, uint16_t* ops) { int8_operands(c + t * groups * kByteCodes, groups, ops); },
         [&](int64_t t, int64_t, const float* sums, const float*, int64_t, float* acc) {
           const __m512 scale = widen_bf16(s + t * kRows);  // weight = (code - 128) * scale
           for (int r = 0; r < 16; ++r)
