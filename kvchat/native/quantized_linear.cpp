@@ -183,13 +183,19 @@ inline void int4_blocks(const uint8_t* c, int64_t ahead, __m512i (&v)[8]) {
   }
 }
 
-// acc plus one span of an int4 tile: its dot products (already at their input scales) times its 16
-// scales, and its zeros' share, (zero - 8 scale) times the span's exact input sum.
-inline __m512 add_span(__m512 acc, __m512 dots, const uint16_t* param, float sum) {
-  const __m512 scale = widen_bf16(param);
-  const __m512 offset = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), scale, widen_bf16(param + kRows));
-  return _mm512_fmadd_ps(offset, _mm512_set1_ps(sum), _mm512_fmadd_ps(dots, scale, acc));
-}
+// One span of an int4 tile: its 16 scales, and its zeros less 8 scales (weight = code * scale + offset).
+struct SpanParams {
+  __m512 scale, offset;
+
+  explicit SpanParams(const uint16_t* param)
+      : scale(widen_bf16(param)), offset(_mm512_fmadd_ps(_mm512_set1_ps(-8.0f), scale, widen_bf16(param + kRows))) {}
+
+  // acc plus the span's dot products (already at their input scales) times the scales, and the offsets
+  // times the span's exact input sum
+  __m512 add(__m512 acc, __m512 dots, float sum) const {
+    return _mm512_fmadd_ps(offset, _mm512_set1_ps(sum), _mm512_fmadd_ps(dots, scale, acc));
+  }
+};
 
 // B input rows against one int4 tile of 16 output rows: out[b * out_stride + r]. Each scale and zero
 // serves S consecutive groups of 32 inputs (a group of 32 S): their dot products are summed in fp32,
@@ -215,7 +221,8 @@ void int4_tile(const uint8_t* codes, const uint16_t* params, int64_t groups, con
         sums[b] = s == 0 ? rows.sums[b * groups + g] : sums[b] + rows.sums[b * groups + g];
       }
     }
-    for (int b = 0; b < B; ++b) acc[b] = add_span(acc[b], dots[b], params + span * 2 * kRows, sums[b]);
+    const SpanParams param(params + span * 2 * kRows);
+    for (int b = 0; b < B; ++b) acc[b] = param.add(acc[b], dots[b], sums[b]);
   }
   for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + b * out_stride, acc[b]);
 }
@@ -254,7 +261,7 @@ void int4_row_tiles(const uint8_t* codes, const uint16_t* params, int64_t groups
     for (int t = 0; t < T; ++t) {
       const uint16_t* param = params + (t * spans + span) * 2 * kRows;
       _mm_prefetch(reinterpret_cast<const char*>(param + params_ahead * 2 * kRows), _MM_HINT_T0);
-      acc[t] = add_span(acc[t], dots[t], param, sum);
+      acc[t] = SpanParams(param).add(acc[t], dots[t], sum);
     }
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
@@ -508,10 +515,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
         x, codes.size(0), spans, true,
         [&](int64_t t, uint16_t* ops) { int4_operands(c + t * groups * kCodeBytes, groups, ops); },
         [&](int64_t t, int64_t s, const float* sums, const float* x_sums, int64_t row_spans, float* acc) {
-          const uint16_t* param = p + (t * spans + s) * 2 * kRows;
-          for (int r = 0; r < 16; ++r)
-            _mm512_store_ps(acc + 16 * r, add_span(_mm512_load_ps(acc + 16 * r), _mm512_load_ps(sums + 16 * r),
-                                                   param, x_sums[r * row_spans + s]));
+          const SpanParams param(p + (t * spans + s) * 2 * kRows);
+          for (int r = 0; r < 16; ++r) {
+            const __m512 sum = _mm512_load_ps(sums + 16 * r);
+            _mm512_store_ps(acc + 16 * r, param.add(_mm512_load_ps(acc + 16 * r), sum, x_sums[r * row_spans + s]));
+          }
         });
   }
 #endif
