@@ -115,9 +115,11 @@ def fresh_groups(model: nn.Module, ids: torch.Tensor, log_p: torch.Tensor) -> No
     print("\nint4 quantized anew, decoder linears only (the output layer as it is), scored in fp32")
     print("| groups | weight error (relative, mean) | KL per token | same top-1 |")
     print("|---|---:|---:|---:|")
+    rows: list[tuple[str, int, int, bool | str]]
     rows = [("32, on the file's blocks", 32, 0, False), ("32, shifted by 16", 32, 16, False),
             ("64", 64, 0, False), ("128 (64 where 576 inputs)", 128, 0, False),
-            ("32, shifted by 16, ranges searched (kvchat's)", 32, 16, True),
+            ("32, shifted by 16, ranges searched", 32, 16, True),
+            ("32, shifted by 16, ranges searched, scales nested (kvchat's)", 32, 16, "nested"),
             ("128 (64 where 576), ranges searched (kvchat's)", 128, 0, True)]  # fmt: skip
     with torch.inference_mode():
         for label, group, shift, searched in rows:
@@ -136,14 +138,15 @@ def fresh_groups(model: nn.Module, ids: torch.Tensor, log_p: torch.Tensor) -> No
             linear.weight.copy_(original[name])
 
 
-def int4_values(weight: torch.Tensor, group: int, searched: bool) -> torch.Tensor:
-    """(N, K) rounded to int4 in groups as kvchat rounds them (scale and zero in bf16), in fp32: each
-    group's range searched, or from its min to its max."""
+def int4_values(weight: torch.Tensor, group: int, searched: bool | str) -> torch.Tensor:
+    """(N, K) rounded to int4 in groups as kvchat rounds them, in fp32: each group's range searched
+    (scale and zero in bf16, or "nested" scales), or from its min to its max."""
     groups = weight.reshape(weight.shape[0], -1, group)  # (N, K/G, G)
     if searched:
-        codes, scales, zeros = int4_rounding.round_groups(groups)
-    else:
-        codes, scales, zeros, _ = int4_rounding.round_to(groups, groups.amin(-1), groups.amax(-1))
+        codes, params = int4_rounding.round_groups(groups, nested=searched == "nested")
+        scales, lows = params.values()
+        return (codes.float() * scales[..., None] + lows[..., None]).reshape(weight.shape)
+    codes, scales, zeros, _ = int4_rounding.round_to(groups, groups.amin(-1), groups.amax(-1))
     values = (codes.float() - 8) * scales.float()[..., None] + zeros.float()[..., None]
     return values.reshape(weight.shape)
 
@@ -206,11 +209,15 @@ def speed(args: argparse.Namespace) -> None:
 @torch.inference_mode()
 def kernels(args: argparse.Namespace) -> None:
     """One bf16 token through each of Qwen2.5-3B's linear shapes: F.linear against oneDNN's and kvchat's
-    bf16 kernels, and torch's and kvchat's int8 and int4 kernels."""
+    bf16 kernels, and torch's and kvchat's int8 and int4 kernels (kvchat's int4 with nested scales, as
+    `--quantize int4` makes them, and with bf16 ones, as a GGUF's Q4_1 layers)."""
     shapes = (("q, o", 2048, 2048), ("k, v", 2048, 256), ("gate, up", 2048, 11008), ("down", 11008, 2048),
               ("head", 2048, 151936))  # fmt: skip
     print(f"1 thread, one token (M = 1), {args.repeats} interleaved rounds; median ms and speed-up over bf16")
-    quantized_kinds = ("bf16 oneDNN", "bf16 kvchat", "int8 torch", "int8 kvchat", "int4 torch", "int4 kvchat")
+    quantized_kinds = (
+        "bf16 oneDNN", "bf16 kvchat", "int8 torch", "int8 kvchat", "int4 torch", "int4 kvchat, bf16 scales",
+        "int4 kvchat",
+    )  # fmt: skip
     print(
         "| layer | in x out | bf16 ms | bf16 GB/s | "
         + " | ".join(f"{k} ms | vs bf16" for k in quantized_kinds)
@@ -231,7 +238,8 @@ def kernels(args: argparse.Namespace) -> None:
             "int8 torch": [Int8Linear.from_linear(linear, "torch") for linear in linears],
             "int8 kvchat": [Int8Linear.from_linear(linear, "kvchat") for linear in linears],
             "int4 torch": [Int4Linear.from_linear(linear, "torch") for linear in linears],
-            "int4 kvchat": [Int4Linear.from_linear(linear, "kvchat") for linear in linears],
+            "int4 kvchat, bf16 scales": [plain_int4(linear) for linear in linears],
+            "int4 kvchat": [Int4Linear.from_linear(linear, "kvchat") for linear in linears],  # nested scales
         }
         x = torch.randn(1, in_features, dtype=torch.bfloat16)  # (1, K)
         rounds = max(1, int(2e8 // (2 * in_features * out_features * copies)))
@@ -247,6 +255,13 @@ def kernels(args: argparse.Namespace) -> None:
         rate = linears[0].weight.nbytes / ms["bf16"] / 1e6
         quantized = " | ".join(f"{ms[kind]:.2f} | {ms['bf16'] / ms[kind]:.2f}x" for kind in quantized_kinds)
         print(f"| {name} | {in_features} x {out_features} | {ms['bf16']:.2f} | {rate:.1f} | {quantized} |")
+
+
+def plain_int4(linear: nn.Linear) -> Int4Linear:
+    """int4 in groups of 32 on kvchat's kernel with a bf16 scale and zero a group, as a GGUF's Q4_1."""
+    groups = linear.weight.detach().float().reshape(linear.out_features, -1, 32)
+    codes, scales = int4_rounding.round_groups(groups, nested=False)
+    return Int4Linear(codes.reshape(linear.weight.shape), scales, None, "kvchat")
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from kvchat.engine.compiled_step import has_cpp_compiler
+from kvchat.models import int4_rounding
+from kvchat.models.int4_rounding import BLOCK_GROUPS, GroupScales, NestedScales
 from kvchat.models.quantize import GROUP_SIZE, Int4Linear, Int8Linear, fuse_quantized
 from kvchat.native import kernels
 
@@ -44,19 +46,46 @@ class Weights:
 
 
 def make_layer(
-    out_features: int, in_features: int, bias: bool = False, group: int = GROUP_SIZE
+    out_features: int, in_features: int, bias: bool = False, group: int = GROUP_SIZE, nested: bool = False
 ) -> tuple[Int4Linear, Weights]:
-    """Random codes, scales and zeros, one scale and zero per `group` inputs."""
+    """Random codes, scales and zeros, one scale and zero per `group` inputs, or random nested scales."""
     generator = torch.Generator().manual_seed(0)
     groups = in_features // group
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
-    scales = (torch.rand(out_features, groups, generator=generator) * 0.02 + 1e-3).to(torch.bfloat16)
-    zeros = (torch.randn(out_features, groups, generator=generator) * 0.01).to(torch.bfloat16)
+    scales: GroupScales | NestedScales
+    if nested:
+        blocks = -(-groups // BLOCK_GROUPS)
+        scales = NestedScales(
+            torch.randint(1, 256, (out_features, groups), generator=generator).to(torch.uint8),
+            torch.randint(-127, 128, (out_features, groups), generator=generator).to(torch.int8),
+            (torch.rand(out_features, blocks, generator=generator) * 1e-4 + 1e-5).to(torch.bfloat16),
+            (torch.rand(out_features, blocks, generator=generator) * 1e-4).to(torch.bfloat16),
+        )
+    else:
+        scales = GroupScales(
+            (torch.rand(out_features, groups, generator=generator) * 0.02 + 1e-3).to(torch.bfloat16),
+            (torch.randn(out_features, groups, generator=generator) * 0.01).to(torch.bfloat16),
+        )
     bias_values = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
-    layer = Int4Linear(codes, scales, zeros, bias_values)
-    scales64 = scales.double().repeat_interleave(group, 1)  # (N, K)
-    zeros64 = zeros.double().repeat_interleave(group, 1)
-    return layer, Weights(codes.double() * scales64, zeros64 - 8 * scales64)
+    layer = Int4Linear(codes, scales, bias_values)
+    per_group = scales.values()
+    if isinstance(scales, GroupScales):  # the kernel's own sum: (code - 8) * scale + zero
+        per_group = (scales.scales.float(), scales.zeros.float() - 8 * scales.scales.float())
+    scales64, lows64 = (v.double().repeat_interleave(group, 1) for v in per_group)  # (N, K)
+    return layer, Weights(codes.double() * scales64, lows64)
+
+
+def make_kind(kind: str, out_features: int, in_features: int) -> tuple[Int4Linear | Int8Linear, Weights]:
+    """A layer of random weights: "int4" (groups of 32, bf16 scales and zeros), "int4-g64", "int4-g128",
+    "int4-nested" or "int8"."""
+    if kind == "int8":
+        return make_int8_layer(out_features, in_features)
+    if kind == "int4-nested":
+        return make_layer(out_features, in_features, nested=True)
+    return make_layer(out_features, in_features, group=int(kind.partition("-g")[2] or GROUP_SIZE))
+
+
+KINDS = ("int4", "int4-g64", "int4-g128", "int4-nested", "int8")
 
 
 def make_int8_layer(out_features: int, in_features: int) -> tuple[Int8Linear, Weights]:
@@ -79,24 +108,24 @@ def rounding_bound(x: torch.Tensor, weights: Weights) -> torch.Tensor:
 
 def run_kernel(layer: Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
     if isinstance(layer, Int4Linear):
-        return torch.ops.kvchat.int4_linear(x, layer.packed, layer.scales_and_zeros)
+        return torch.ops.kvchat.int4_linear(x, layer.packed, layer.params)
     return torch.ops.kvchat.int8_linear(x, layer.codes, layer.scales)
 
 
 # passes of 4 input rows, and what is left; on AMX, blocks of 16 rows, the last padded
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 33, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (4, 128), (8, 32)])
-def test_the_kernel_equals_the_dequantized_matmul(
-    rows: int, dtype: torch.dtype, bits: int, group: int
-) -> None:
-    layer, weights = make_layer(48, 256, group=group) if bits == 4 else make_int8_layer(48, 256)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_kernel_equals_the_dequantized_matmul(rows: int, dtype: torch.dtype, kind: str) -> None:
+    inputs = 384  # 12 groups of 32: nested, a block of 8 and a short one
+    layer, weights = make_kind(kind, 48, inputs)
     assert layer.kernel == "kvchat"
-    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(1)).to(dtype)
     x[0, 40] = 30.0  # one large input in its group: the others are read on its scale
     x[-1, 64:96] = 0.0  # a group of zeros: no scale to divide by
     out = run_kernel(layer, x)  # (M, N)
     assert out.dtype == torch.float32 and out.shape == (rows, 48)
+    torch.testing.assert_close(layer.dequantized_weight().double(), weights.weight, rtol=0, atol=1e-7)
     expected = x.double() @ weights.weight.T
     error = (out.double() - expected).abs()
     bound = rounding_bound(x, weights)
@@ -117,7 +146,7 @@ def test_the_layer_rounds_its_output_once_and_adds_its_bias() -> None:
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).float()
     out = layer(x)
     assert out.shape == (2, 3, 32) and out.dtype == torch.float32
-    flat = torch.ops.kvchat.int4_linear(x.reshape(6, 64), layer.packed, layer.scales_and_zeros)
+    flat = torch.ops.kvchat.int4_linear(x.reshape(6, 64), layer.packed, layer.params)
     assert torch.equal(out, (flat + layer.bias).reshape(2, 3, 32))
     assert torch.equal(layer(x.to(torch.bfloat16)), out.to(torch.bfloat16))
     torch.testing.assert_close(layer.dequantized_weight().double(), weights.weight, rtol=0, atol=1e-7)
@@ -125,10 +154,16 @@ def test_the_layer_rounds_its_output_once_and_adds_its_bias() -> None:
 
 @pytest.mark.parametrize(("kind", "group"), [(Int4Linear, 32), (Int4Linear, 128), (Int8Linear, None)])
 def test_both_kernels_compute_the_same_layer(kind: type, group: int | None) -> None:
-    """The same codes and scales in kvchat's layout and in torch's multiply alike."""
+    """The same codes and scales in kvchat's layout and in torch's multiply alike (bf16 scales and
+    zeros: torch's kernel takes no nested ones)."""
     linear = torch.nn.Linear(256, 64, bias=False)
-    sizes = {} if group is None else {"group_size": group}
-    ours, theirs = (kind.from_linear(linear, kernel, **sizes) for kernel in ("kvchat", "torch"))
+    if kind is Int4Linear:
+        assert group is not None
+        codes, scales = int4_rounding.round_groups(linear.weight.detach().reshape(64, -1, group))
+        weights = codes.reshape(64, 256)
+        ours, theirs = (Int4Linear(weights, scales, None, kernel) for kernel in ("kvchat", "torch"))
+    else:
+        ours, theirs = (kind.from_linear(linear, kernel) for kernel in ("kvchat", "torch"))
     expected_weight = ours.dequantized_weight()
     if kind is Int4Linear:  # torch's is read through its kernel, which rounds to bf16
         expected_weight = expected_weight.to(torch.bfloat16).float()
@@ -154,24 +189,24 @@ def test_asking_for_kvchats_kernel_where_it_cannot_run_is_refused(monkeypatch: p
 
 
 @pytest.mark.parametrize("inputs", [128, 2048])  # int8 rows of 64 groups and more stream
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 128), (8, 32)])
-def test_one_row_computes_each_row_as_the_rows_do(bits: int, group: int, inputs: int) -> None:
+@pytest.mark.parametrize("kind", ["int4", "int4-g128", "int4-nested", "int8"])
+def test_one_row_computes_each_row_as_the_rows_do(kind: str, inputs: int) -> None:
     """One input row (int4 streaming 8 tiles at once, int8's long rows 4, then the rest 4, 2 and 1 at
     a time: 15 tiles take every count) takes the same sums, in the same order, as the passes over
     several rows."""
-    layer, _ = make_layer(16 * 15, inputs, group=group) if bits == 4 else make_int8_layer(16 * 15, inputs)
+    layer, _ = make_kind(kind, 16 * 15, inputs)
     x = torch.randn(5, inputs, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     together = run_kernel(layer, x)
     assert all(torch.equal(run_kernel(layer, x[i : i + 1])[0], together[i]) for i in range(5))
 
 
 @pytest.mark.parametrize(("rows", "dtype"), [(1, torch.float32), (5, torch.float32), (40, torch.bfloat16)])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("kind", ["int4", "int4-nested", "int8"])
 def test_threads_split_the_rows_without_changing_a_bit(
-    bits: int, rows: int, dtype: torch.dtype, on_one_then_two_threads
+    kind: str, rows: int, dtype: torch.dtype, on_one_then_two_threads
 ) -> None:
-    inputs = 128 if bits == 4 else 2048  # int8's one row streams from 64 groups
-    layer, _ = (make_layer if bits == 4 else make_int8_layer)(256, inputs)
+    inputs = 2048 if kind == "int8" else 352  # int8's one row streams from 64 groups
+    layer, _ = make_kind(kind, 256, inputs)
     x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(3)).to(dtype)
     alone, together = on_one_then_two_threads(lambda: layer(x))
     assert torch.equal(alone, together)
@@ -180,13 +215,16 @@ def test_threads_split_the_rows_without_changing_a_bit(
 def test_the_kernel_refuses_a_weight_of_another_layout() -> None:
     layer, _ = make_layer(32, 64)
     with pytest.raises(RuntimeError, match="int4_linear"):
-        torch.ops.kvchat.int4_linear(torch.randn(1, 96), layer.packed, layer.scales_and_zeros)
+        torch.ops.kvchat.int4_linear(torch.randn(1, 96), layer.packed, layer.params)
     with pytest.raises(RuntimeError, match="int4_linear"):
-        torch.ops.kvchat.int4_linear(torch.randn(1, 64), layer.packed.float(), layer.scales_and_zeros)
+        torch.ops.kvchat.int4_linear(torch.randn(1, 64), layer.packed.float(), layer.params)
     wide, _ = make_layer(32, 96)  # params for 3 groups of 32 taken as one of 96: no such span
-    one_span = wide.scales_and_zeros[:, :1].contiguous()
+    one_span = wide.params[:, :1].contiguous()
     with pytest.raises(RuntimeError, match="groups of 32, 64 or 128"):
         torch.ops.kvchat.int4_linear(torch.randn(1, 96), wide.packed, one_span)
+    nested, _ = make_layer(32, 320, nested=True)  # 10 groups: two blocks, not one
+    with pytest.raises(RuntimeError, match="nested params shape"):
+        torch.ops.kvchat.int4_linear(torch.randn(1, 320), nested.packed, nested.params[:, :1].contiguous())
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -213,7 +251,10 @@ def test_layers_of_different_kinds_or_groups_are_not_fused() -> None:
     int4, int8 = Int4Linear.from_linear(linear), Int8Linear.from_linear(linear)
     coarse = Int4Linear.from_linear(linear, group_size=128)
     torch_int4 = Int4Linear.from_linear(linear, "torch")
+    plain = make_layer(32, 256)[0]  # bf16 scales and zeros, as a GGUF file's
+    assert int4.nested and not plain.nested
     assert fuse_quantized([int4, int8]) is None
     assert fuse_quantized([int4, coarse]) is None
+    assert fuse_quantized([int4, plain]) is None
     assert fuse_quantized([int4, torch_int4]) is None
     assert fuse_quantized([torch.nn.Linear(256, 32), int4]) is None

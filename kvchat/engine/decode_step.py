@@ -68,7 +68,7 @@ def projection_parts(linear, dtype: torch.dtype) -> list[torch.Tensor | None] | 
     if isinstance(linear, TiledLinear):
         return [linear.tiles, None, linear.bias]
     if isinstance(linear, Int4Linear) and linear.kernel == "kvchat":
-        return [linear.packed, linear.scales_and_zeros, linear.bias]
+        return [linear.packed, linear.params, linear.bias]
     if isinstance(linear, Int8Linear) and linear.kernel == "kvchat":
         return [linear.codes, linear.scales, linear.bias]
     if type(linear) is nn.Linear and linear.weight.dtype == dtype:

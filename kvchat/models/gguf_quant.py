@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelLoadError
+from kvchat.models.int4_rounding import GroupScales
 from kvchat.models.quantize import GROUP_SIZE, Int4Linear
 
 # Bytes of one 32-weight block: fp16 d [, fp16 m], then 16 bytes of two codes each.
@@ -67,7 +68,7 @@ class GGUFInt4Layers:
             self._check(name, codes, scales, zeros, linear)
         device = linear.weight.device
         codes_t, scales_t, zeros_t = (torch.from_numpy(a).to(device) for a in (codes, scales, zeros))
-        return Int4Linear(codes_t, scales_t, zeros_t, linear.bias)
+        return Int4Linear(codes_t, GroupScales(scales_t, zeros_t), linear.bias)
 
     def _check(
         self, name: str, codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, linear: nn.Linear

@@ -1,14 +1,16 @@
 """Weight-only quantization of a model's linear layers, through kvchat's kernels or torch's.
 
 int8: one symmetric scale per output channel. int4: groups of 32 inputs (128 for "int4-g128") with a
-scale and a zero each, value = (code - 8) * scale + zero. On a CPU with AVX-512 VNNI, both run
-kvchat's own kernels (`kvchat::int8_linear`, `kvchat::int4_linear`, kvchat/native/quantized_linear.cpp):
-the input rounded to int8 per group of 32 twice (the value, then what that leaves, so within 1/65,000
-of the group's largest), integer dot products against the codes, each weight byte read once, at about
-twice the speed of torch's kernels, which serve other CPUs and CUDA (`_weight_int8pack_mm`,
-`_weight_int4pack_mm[_for_cpu]`). Scales, zeros and torch's kernels' activations are bf16: these run
-2-4x slower on fp32 activations, so each layer casts its input to bf16 and its output back. The packed
-layout depends on the device and the kernel, so quantize after the model is on its device.
+scale and a zero each, value = (code - 8) * scale + zero; on kvchat's kernel, groups of 32 quantized
+here nest their scales (int4_rounding.NestedScales: 4.625 bits a weight, not 5). On a CPU with AVX-512
+VNNI, both run kvchat's own kernels (`kvchat::int8_linear`, `kvchat::int4_linear`,
+kvchat/native/quantized_linear.cpp): the input rounded to int8 per group of 32 twice (the value, then
+what that leaves, so within 1/65,000 of the group's largest), integer dot products against the codes,
+each weight byte read once, at about twice the speed of torch's kernels, which serve other CPUs and
+CUDA (`_weight_int8pack_mm`, `_weight_int4pack_mm[_for_cpu]`). Scales, zeros and torch's kernels'
+activations are bf16: these run 2-4x slower on fp32 activations, so each layer casts its input to bf16
+and its output back. The packed layout depends on the device and the kernel, so quantize after the
+model is on its device.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 from kvchat.errors import ModelLoadError
 from kvchat.models import int4_rounding
 from kvchat.models import weight_layout as layout
+from kvchat.models.int4_rounding import GroupScales, NestedScales
 from kvchat.models.weight_layout import GROUP_SIZE, TILE_ROWS
 from kvchat.native import kernels
 from kvchat.settings_schema import all_settings
@@ -99,85 +102,94 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """nn.Linear with 4-bit codes in groups of 32, 64 or 128 inputs (`group_size`, from the shape of
-    `scales`: (N, K / group_size)), each group with a bf16 scale and zero.
+    """nn.Linear with 4-bit codes in groups of 32, 64 or 128 inputs (`group_size`, from the shape of the
+    scales: (N, K / group_size)), each group with a bf16 scale and zero, or nested scales (groups of 32,
+    kvchat's kernel only).
 
-    `kernel` says whose kernel runs it, which decides the layout of `packed` and `scales_and_zeros`:
-    "kvchat" (`layout.tile_int4`) or "torch" (`layout.pack_int4`), chosen as for Int8Linear."""
+    `kernel` says whose kernel runs it, which decides the layout of `packed` and `params`: "kvchat"
+    (`layout.tile_int4`, `layout.tile_params`) or "torch" (`layout.pack_int4`), chosen as for
+    Int8Linear."""
 
     packed: torch.Tensor
-    scales_and_zeros: torch.Tensor
+    params: torch.Tensor
     bias: torch.Tensor | None
 
     def __init__(
         self,
         codes: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor,
+        scales: GroupScales | NestedScales,
         bias: torch.Tensor | None,
         kernel: str | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape  # codes: (N, K) in 0..15
-        self.group_size = self.in_features // max(scales.shape[1], 1)
-        if self.group_size not in INT4_GROUP_SIZES:
+        self.nested = isinstance(scales, NestedScales)
+        if isinstance(scales, GroupScales):
+            scales = GroupScales(scales.scales.to(KERNEL_DTYPE), scales.zeros.to(KERNEL_DTYPE))
+        per_group = scales.scale_codes if isinstance(scales, NestedScales) else scales.scales
+        self.group_size = self.in_features // max(per_group.shape[1], 1)
+        if self.group_size not in INT4_GROUP_SIZES or (self.nested and self.group_size != GROUP_SIZE):
             raise ValueError(f"int4 groups are of {', '.join(map(str, INT4_GROUP_SIZES))} inputs")
         if self.in_features % self.group_size or self.out_features % 16:
             raise ValueError(
                 f"int4 needs in_features divisible by {self.group_size} and out_features by 16, "
                 f"got {self.in_features} and {self.out_features}"
             )
-        assert scales.shape == zeros.shape == (self.out_features, self.in_features // self.group_size)
-        scales, zeros = scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)
+        assert per_group.shape == (self.out_features, self.in_features // self.group_size)
         self.kernel = _choose_kernel(kernel, kernels.int4_linear, codes)
         if self.kernel == "kvchat":
             self.register_buffer("packed", layout.tile_int4(codes))
-            self.register_buffer("scales_and_zeros", layout.tile_params(scales, zeros))
+            self.register_buffer("params", layout.tile_params(scales))
+        elif isinstance(scales, NestedScales):
+            raise ValueError("nested int4 scales run on kvchat's kernel only")
         else:
-            pairs = torch.stack([scales, zeros], dim=-1)  # (N, K/G, 2)
+            pairs = torch.stack([scales.scales, scales.zeros], dim=-1)  # (N, K/G, 2)
             self.register_buffer("packed", layout.pack_int4(codes))
-            self.register_buffer("scales_and_zeros", pairs.transpose(0, 1).contiguous())  # (K/G, N, 2)
+            self.register_buffer("params", pairs.transpose(0, 1).contiguous())  # (K/G, N, 2)
         self.register_buffer("bias", None if bias is None else bias.detach().to(KERNEL_DTYPE))
 
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, kernel: str | None = None, group_size: int = GROUP_SIZE
     ) -> Int4Linear:
+        """Groups of 32 on kvchat's kernel nest their scales; others take a bf16 scale and zero each."""
         out_features, in_features = linear.weight.shape
         if group_size not in INT4_GROUP_SIZES or in_features % group_size:
             raise ValueError(f"int4 needs in_features divisible by {group_size}, got {in_features}")
+        ours = _choose_kernel(kernel, kernels.int4_linear, linear.weight) == "kvchat"
+        nested = ours and group_size == GROUP_SIZE
         groups = _fp32_copy(linear).reshape(out_features, -1, group_size)  # (N, K/G, G)
-        codes, scales, zeros = int4_rounding.round_groups(groups)
-        return cls(codes.reshape(out_features, in_features), scales, zeros, linear.bias, kernel)
+        codes, scales = int4_rounding.round_groups(groups, nested)
+        return cls(codes.reshape(out_features, in_features), scales, linear.bias, kernel)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by, in fp32: (N, K). torch's layout is read by running its
         kernel on an identity."""
         if self.kernel == "kvchat":
-            return layout.untile_int4(self.packed, self.scales_and_zeros)
+            return layout.untile_int4(self.packed, self.params)
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.packed.device)  # (K, K)
-        return _int4_mm(eye, self.packed, self.group_size, self.scales_and_zeros).float().T.contiguous()
+        return _int4_mm(eye, self.packed, self.group_size, self.params).float().T.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # (M, K)
         if self.kernel == "kvchat":
-            out = torch.ops.kvchat.int4_linear(flat, self.packed, self.scales_and_zeros)  # (M, N)
+            out = torch.ops.kvchat.int4_linear(flat, self.packed, self.params)  # (M, N)
         else:
-            out = _int4_mm(flat.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_and_zeros)
+            out = _int4_mm(flat.to(KERNEL_DTYPE), self.packed, self.group_size, self.params)
         return _finish(out, self.bias, x)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"int4 group {self.group_size}, {self.kernel}'s kernel"
+            f"int4 group {self.group_size}{', nested scales' if self.nested else ''}, {self.kernel}'s kernel"
         )
 
 
 def fuse_quantized(linears: list[nn.Module]) -> list[torch.Tensor | None] | None:
     """One projection for several int4 (or int8) layers on kvchat's kernels that read the same input:
     (codes, scales, bias) as the kernel takes them, its outputs theirs side by side; None unless all
-    are alike (kind, inputs, int4 group, bias or none). Each layer keeps views of the fused tensors in
-    place of its own, so the weights are held once. The kernels compute each tile of 16 rows alone,
+    are alike (kind, inputs, int4 group and scales, bias or none). Each layer keeps views of the fused
+    tensors in place of its own, so the weights are held once. The kernels compute each tile of 16 rows alone,
     so the fused outputs are the layers' own, bit for bit."""
     first = linears[0]
     kind = type(first)
@@ -186,11 +198,12 @@ def fuse_quantized(linears: list[nn.Module]) -> list[torch.Tensor | None] | None
         or m.kernel != "kvchat"
         or m.in_features != first.in_features
         or getattr(m, "group_size", None) != getattr(first, "group_size", None)
+        or getattr(m, "nested", None) != getattr(first, "nested", None)
         or (m.bias is None) != (first.bias is None)
         for m in linears
     ):
         return None
-    names = ("packed", "scales_and_zeros") if kind is Int4Linear else ("codes", "scales")
+    names = ("packed", "params") if kind is Int4Linear else ("codes", "scales")
     fused: list[torch.Tensor | None] = []
     for name in names:
         whole = torch.cat([m.get_buffer(name) for m in linears])

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from kvchat.models.int4_rounding import BLOCK_GROUPS, GroupScales, NestedScales
 
 GROUP_SIZE = 32  # inputs per int4 scale and zero, as GGUF's Q4_0/Q4_1 blocks, and per kvchat tile-group
 TILE_ROWS = 16  # output rows per tile in kvchat's layouts
@@ -32,12 +35,38 @@ def tile_int4(codes: torch.Tensor) -> torch.Tensor:
     return packed.reshape(rows // TILE_ROWS, inputs // GROUP_SIZE, -1).contiguous()
 
 
-def tile_params(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """Scales and zeros (N, K/G) each, for groups of G inputs, as kvchat's kernel reads them:
-    (N/16, K/G, 2, 16)."""
-    rows, groups = scales.shape
-    both = torch.stack([scales, zeros]).reshape(2, rows // TILE_ROWS, TILE_ROWS, groups)
-    return both.permute(1, 3, 0, 2).contiguous()
+def tile_params(params: GroupScales | NestedScales) -> torch.Tensor:
+    """int4 scales as kvchat's kernel reads them. A bf16 scale and zero a group of G inputs:
+    (N/16, K/G, 2, 16) bf16. Nested: (N/16, blocks, 320) uint8, per tile and block of 8 groups the 16
+    rows' bf16 block scales and block lows, then each group's 16 scale codes and 16 low codes (a short
+    last block padded)."""
+    if isinstance(params, GroupScales):
+        rows, groups = params.scales.shape
+        both = torch.stack([params.scales, params.zeros]).reshape(2, rows // TILE_ROWS, TILE_ROWS, groups)
+        return both.permute(1, 3, 0, 2).contiguous()
+    rows, groups = params.scale_codes.shape
+    tiles, blocks = rows // TILE_ROWS, params.block_scales.shape[1]
+    codes = torch.stack([params.scale_codes, params.low_codes.view(torch.uint8)])  # (2, N, n)
+    codes = F.pad(codes, (0, blocks * BLOCK_GROUPS - groups))
+    codes = codes.reshape(2, tiles, TILE_ROWS, blocks, BLOCK_GROUPS).permute(1, 3, 4, 0, 2)
+    heads = torch.stack([params.block_scales, params.block_lows]).reshape(2, tiles, TILE_ROWS, blocks)
+    heads = heads.permute(1, 3, 0, 2).contiguous().view(torch.uint8)  # (tile, block, 2, 32)
+    return torch.cat([heads.reshape(tiles, blocks, -1), codes.reshape(tiles, blocks, -1)], -1).contiguous()
+
+
+def untile_params(tiled: torch.Tensor, groups: int) -> GroupScales | NestedScales:
+    """`tile_params` undone, for a layer of `groups` groups of 32 inputs."""
+    if tiled.dtype == torch.bfloat16:
+        tiles, spans = tiled.shape[:2]
+        scales, zeros = tiled.permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, spans)
+        return GroupScales(scales, zeros)
+    tiles, blocks, _ = tiled.shape
+    head_bytes = 4 * TILE_ROWS
+    heads = tiled[..., :head_bytes].contiguous().view(torch.bfloat16).reshape(tiles, blocks, 2, TILE_ROWS)
+    block_scales, block_lows = heads.permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, blocks)
+    codes = tiled[..., head_bytes:].reshape(tiles, blocks, BLOCK_GROUPS, 2, TILE_ROWS)
+    codes = codes.permute(3, 0, 4, 1, 2).reshape(2, tiles * TILE_ROWS, blocks * BLOCK_GROUPS)[..., :groups]
+    return NestedScales(codes[0], codes[1].contiguous().view(torch.int8), block_scales, block_lows)
 
 
 def tile_int8(codes: torch.Tensor) -> torch.Tensor:
@@ -64,11 +93,9 @@ def untile_int4(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     blocks = packed.reshape(tiles, groups, 4, TILE_ROWS, 4)  # (tile, group, i, row, j)
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1)  # (tile, group, i, row, j, half)
     codes = codes.permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE_ROWS, groups * GROUP_SIZE)
-    spans = params.shape[1]  # one scale and zero per groups // spans groups of 32
-    scales, zeros = params.float().permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, spans)
-    group_size = groups * GROUP_SIZE // spans
-    scales, zeros = scales.repeat_interleave(group_size, 1), zeros.repeat_interleave(group_size, 1)
-    return (codes.float() - 8) * scales + zeros
+    scales, lows = untile_params(params, groups).values()  # (N, spans): a scale and low per span
+    group_size = groups * GROUP_SIZE // scales.shape[1]
+    return codes.float() * scales.repeat_interleave(group_size, 1) + lows.repeat_interleave(group_size, 1)
 
 
 def tile_bf16(weight: torch.Tensor) -> torch.Tensor:

@@ -198,7 +198,8 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& keys, const
 
 // A linear layer as decoder_layers is given it, weights (a, b) and a bias, by its kind:
 //   bf16 tiles (N/16, K/2, 32), b None: kvchat::bf16_linear, the residual added inside;
-//   uint8 codes with bf16 params (N/16, K/32, 2, 16): kvchat::int4_linear;
+//   uint8 codes with bf16 params (N/16, K/32, 2, 16) or nested ones (N/16, blocks, 320):
+//   kvchat::int4_linear;
 //   uint8 codes with bf16 scales (N,): kvchat::int8_linear;
 //   a plain weight (N, K) of x's dtype, b None: at::linear.
 // The quantized kernels' fp32 output gets the bias, then x's dtype, as models/quantize.py does.
@@ -209,7 +210,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& a, const Optional& b, 
   at::Tensor out;
   if (a.scalar_type() == at::kByte) {
     TORCH_CHECK(b.has_value(), "decoder_layers: quantized codes without their scales");
-    out = quantized_linear(b->dim() == 4, x, a, *b);
+    out = quantized_linear(b->dim() > 1, x, a, *b);
     if (bias.has_value()) out = out + *bias;
     out = out.to(x.scalar_type());
   } else {
