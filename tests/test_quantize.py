@@ -205,12 +205,17 @@ def test_the_fingerprint_records_the_quantization() -> None:
     from kvchat.models.quantize import QuantizeReport
 
     config = make_tiny_model("llama").config
-    tags = ["none", "int8", "int4", "int4+file", "int4-g128"]
-    assert len({compute_fingerprint("m", config, tag) for tag in tags}) == 5
+    tags = ["none", "int8", "int4", "int4+file", "int4-g128", "int4+nested"]
+    assert len({compute_fingerprint("m", config, tag) for tag in tags}) == len(tags)
     # Unquantized: the fingerprint of before, so state files saved earlier still load.
     assert compute_fingerprint("m", config) == compute_fingerprint("m", config, "none")
     assert quantization_tag(None) == "none"
     assert quantization_tag(QuantizeReport("int4", kept_from_file=["x"])) == "int4+file"
+    model = nn.Sequential(nn.Linear(256, 32), nn.Linear(32, 64))
+    report = quantize_model(model, "int4")
+    nested = model[0].kernel == "kvchat"  # groups of 32 on kvchat's kernel nest their scales
+    assert report.nested == (["0", "1"] if nested else [])
+    assert quantization_tag(report) == ("int4+nested" if nested else "int4")
 
 
 def test_a_torch_without_the_kernels_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -143,10 +143,11 @@ def apply_quantize(
 
 
 def quantization_tag(report: QuantizeReport | None) -> str:
-    """How the weights were quantized, as the fingerprint records it: none, int8, int4, int4+file."""
+    """How the weights were quantized, as the fingerprint records it: none, int8, int4, int4+file,
+    int4+nested (scales nested: other weights than int4's bf16 scales and zeros), int4+file+nested."""
     if report is None:
         return "none"
-    return report.mode + ("+file" if report.kept_from_file else "")
+    return report.mode + ("+file" if report.kept_from_file else "") + ("+nested" if report.nested else "")
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

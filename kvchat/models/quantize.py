@@ -261,6 +261,7 @@ class QuantizeReport:
     mode: str
     quantized: list[str] = field(default_factory=list)
     kept_from_file: list[str] = field(default_factory=list)  # values taken as they are from a GGUF
+    nested: list[str] = field(default_factory=list)  # int4 layers whose scales are nested
     refused: list[str] = field(default_factory=list)  # shapes the kernel cannot take: left as they were
 
     @property
@@ -322,6 +323,8 @@ def quantize_model(
             report.refused.append(name)
             continue
         outcome.append(name)
+        if getattr(replacement, "nested", False):
+            report.nested.append(name)
         _set_submodule(model, name, replacement)
     if progress is not None:
         progress(len(names), len(names))
