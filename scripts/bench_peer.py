@@ -5,16 +5,17 @@ side in one run, one thread, greedy, the variants taking turns:
     python scripts/bench_peer.py --parts decode --contexts 50 --variants kvchat-bf16 llama-BF16
 
 Variants: kvchat-<bf16|fp32>[-int8|-int4|-int4-g128][-compiled][-spec] (a quantized kind needs
-kvchat.models.quantize; -compiled decodes through the compiled graph, --compile; -spec drafts by
-prompt lookup) and llama-<BF16|Q8_0|Q4_1> (GGUF files of the packaged weights,
-scripts/peer_gguf.py). Parts: decode (tok/s and weight GB/s after ~50 and ~4,000 tokens of context,
-a free-writing and a copying prompt), ttft (cold, ~2,000 tokens; turn 2 reusing the first turn),
-bandwidth (one-thread read of 256 MB), big (a random-weight model shaped as Qwen2.5-3B: kvchat's bf16 and
-the quantized kinds asked for, and llama.cpp's types asked for, on GGUF files of the same weights,
-written once: ~2 minutes and 11 GB of disk for all three types), big-turns (kvchat's kinds alone on
-that model, held in memory together and taking turns, `--repeats` rounds: the median of each kind's
-ratios to bf16 round by round, which the machine's drift moves least; ~13 GB of memory for bf16, int8,
-int4 and int4-g128; `--big-ttft-tokens N` adds each kind's cold TTFT over N tokens, in turns too).
+kvchat.models.quantize; -compiled decodes through the compiled graph, --compile; -spec drafts by prompt
+lookup) and llama-<BF16|Q8_0|Q4_1> (GGUF files of the packaged weights, scripts/peer_gguf.py; for big,
+llama-Q4_K too). Parts: decode (tok/s and weight GB/s after ~50 and ~4,000 tokens of context, a
+free-writing and a copying prompt), ttft (cold, ~2,000 tokens; turn 2 reusing the first turn), bandwidth
+(one-thread read of 256 MB), big (a random-weight model shaped as Qwen2.5-3B: kvchat's bf16 and the
+quantized kinds asked for, and llama.cpp's types asked for, on GGUF files of the same weights, written
+once: ~2 minutes and 11 GB of disk for BF16, Q8_0 and Q4_1; Q4_K is made from BF16 by llama.cpp, 1.9 GB
+more), big-turns (kvchat's kinds alone on that model, held in memory together and taking turns,
+`--repeats` rounds: the median of each kind's ratios to bf16 round by round, which the machine's drift
+moves least; ~13 GB of memory for bf16, int8, int4 and int4-g128; `--big-ttft-tokens N` adds each kind's
+cold TTFT over N tokens, in turns too).
 """
 
 from __future__ import annotations
@@ -147,14 +148,17 @@ def run_ttft(runners: dict[str, Runner], tokenizer, args) -> None:
 
 BIG_KINDS = ("bf16", "bf16-int8", "bf16-int4", "bf16-int4-g128", "bf16-compiled", "bf16-int8-compiled",
              "bf16-int4-compiled")  # fmt: skip
-SAME_BYTES = {"bf16": "BF16", "bf16-int8": "Q8_0", "bf16-int4": "Q4_1"}  # llama.cpp's type for a kind
+# llama.cpp's type of about a kind's bytes: int4 quantized anew nests its scales, 4.625 bits a weight
+# against Q4_K's 4.5 (Q4_1: 5, as int4 on a Q4_1 file's own values)
+SAME_BYTES = {"bf16": "BF16", "bf16-int8": "Q8_0", "bf16-int4": "Q4_K"}
+BIG_TYPES = ("BF16", "Q8_0", "Q4_1", "Q4_K")
 
 
 def run_big(args) -> None:
     """kvchat and llama.cpp on one random-weight model with Qwen2.5-3B's shapes (seeded: the same
     weights in both), each llama.cpp type measured right after the kvchat kind of its bytes."""
     kinds = [k for k in BIG_KINDS if k == "bf16" or f"kvchat-{k}" in args.variants]
-    types = [t for t in SAME_BYTES.values() if f"llama-{t}" in args.variants]
+    types = [t for t in BIG_TYPES if f"llama-{t}" in args.variants]
     missing = [t for t in types if not big_path(t).is_file()]
     if missing:
         model = make_big_model("bf16")

@@ -4,11 +4,15 @@ random-weight model with Qwen2.5-3B's shapes.
 The packaged file holds Q4_1 matrices (and a Q8_0 embedding); kvchat runs their dequantized values. A
 BF16 or Q8_0 file written from those same values gives llama.cpp the same weights kvchat reads, so a
 comparison measures the engines, not the weights. The 3B-shaped model's files are written from the
-seeded model kvchat runs. Each is written once, next to kvchat's converted model.
+seeded model kvchat runs; its Q4_K file (4.5 bits a weight, the nearest llama.cpp type to kvchat's
+int4 with nested scales, 4.625) is made by llama.cpp's own quantizer from the BF16 one. Each is written
+once, next to kvchat's converted model.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,10 +88,30 @@ def write_big(type_name: str, model) -> Path:
     """`model` (make_big_model's, Qwen2.5-3B's shapes, its weights seeded) as a GGUF file whose
     matrices are `type_name`, the tied embedding in Q8_0 where they are 4-bit (as in the packaged file,
     and as kvchat's int4 keeps its output layer in int8). Its tokenizer is the packaged one, padded to
-    the model's vocabulary: the benchmark feeds token ids."""
+    the model's vocabulary: the benchmark feeds token ids. Q4_K is quantized by llama.cpp from the
+    BF16 file (written first where missing)."""
+    if type_name == "Q4_K":
+        source = write_big("BF16", model) if not big_path("BF16").is_file() else big_path("BF16")
+        return _write_once(big_path(type_name), lambda partial: _llama_quantize_q4_k(source, partial))
     return _write_once(
         big_path(type_name), lambda partial: _write_big(model, partial, gguf.GGMLQuantizationType[type_name])
     )
+
+
+def _llama_quantize_q4_k(source: Path, target: Path) -> None:
+    """Every matrix of `source` in Q4_K ("pure": no layer in another type), the tied embedding in Q8_0,
+    by llama.cpp's quantizer (llama-cpp-python, the `bench` extra)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_S
+    params.pure = True
+    params.token_embedding_type = llama_cpp.GGML_TYPE_Q8_0
+    params.output_tensor_type = llama_cpp.GGML_TYPE_Q8_0
+    params.nthread = os.cpu_count() or 1
+    status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
+    if status != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to Q4_K (status {status})")
 
 
 HF_TO_GGUF = {
