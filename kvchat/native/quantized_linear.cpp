@@ -295,7 +295,7 @@ void int4_tile(const uint8_t* codes, const Params& params, int64_t groups, const
 // kernel's streams, where one tile at a time (prefetched 32 groups ahead into L2) read at 0.89x;
 // int4-g128's at 0.92x (0.85x). Into L2 instead: 2-4% slower; 2 or 4 tiles at once: 3-15% slower;
 // 16: 5%. Nested params: each tile's block scales and lows widened once a block, not once a group
-// (1.06-1.09x kernel only against bf16 params, at 8% fewer bytes; 1.04-1.08x widened each group).
+// (1.05-1.09x kernel only against bf16 params, at 8% fewer bytes; 1.05-1.08x widened each group).
 template <int T, int S, typename Params>
 void int4_row_tiles(const uint8_t* codes, const Params& params, int64_t groups, const QuantizedInput& x,
                     float* out) {
