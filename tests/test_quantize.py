@@ -256,3 +256,21 @@ def test_info_says_how_the_weights_are_stored_and_whose_kernels_run_them() -> No
     assert describe_quantization(int8) == (
         "int8 (kvchat and torch's kernels)" if ours == "kvchat" else "int8 (torch's kernels)"
     )
+
+
+def test_nested_scales_are_for_kvchats_kernel_and_groups_of_32_only() -> None:
+    from kvchat.models.int4_rounding import NestedScales
+
+    def nested(groups: int) -> NestedScales:
+        return NestedScales(
+            torch.ones(32, groups, dtype=torch.uint8),
+            torch.zeros(32, groups, dtype=torch.int8),
+            torch.ones(32, 1, dtype=torch.bfloat16),
+            torch.ones(32, 1, dtype=torch.bfloat16),
+        )
+
+    codes = torch.randint(0, 16, (32, 256))
+    with pytest.raises(ValueError, match="kvchat's kernel only"):
+        Int4Linear(codes, nested(8), None, "torch")
+    with pytest.raises(ValueError, match="groups of 32"):
+        Int4Linear(codes, nested(4), None)  # groups of 64

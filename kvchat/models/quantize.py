@@ -128,8 +128,10 @@ class Int4Linear(nn.Module):
             scales = GroupScales(scales.scales.to(KERNEL_DTYPE), scales.zeros.to(KERNEL_DTYPE))
         per_group = scales.scale_codes if isinstance(scales, NestedScales) else scales.scales
         self.group_size = self.in_features // max(per_group.shape[1], 1)
-        if self.group_size not in INT4_GROUP_SIZES or (self.nested and self.group_size != GROUP_SIZE):
+        if self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 groups are of {', '.join(map(str, INT4_GROUP_SIZES))} inputs")
+        if self.nested and self.group_size != GROUP_SIZE:
+            raise ValueError(f"nested int4 scales are for groups of {GROUP_SIZE} inputs")
         if self.in_features % self.group_size or self.out_features % 16:
             raise ValueError(
                 f"int4 needs in_features divisible by {self.group_size} and out_features by 16, "
@@ -189,8 +191,8 @@ def fuse_quantized(linears: list[nn.Module]) -> list[torch.Tensor | None] | None
     """One projection for several int4 (or int8) layers on kvchat's kernels that read the same input:
     (codes, scales, bias) as the kernel takes them, its outputs theirs side by side; None unless all
     are alike (kind, inputs, int4 group and scales, bias or none). Each layer keeps views of the fused
-    tensors in place of its own, so the weights are held once. The kernels compute each tile of 16 rows alone,
-    so the fused outputs are the layers' own, bit for bit."""
+    tensors in place of its own, so the weights are held once. The kernels compute each tile of 16 rows
+    alone, so the fused outputs are the layers' own, bit for bit."""
     first = linears[0]
     kind = type(first)
     if kind not in (Int4Linear, Int8Linear) or any(
