@@ -158,10 +158,9 @@ class Int4Linear(nn.Module):
         out_features, in_features = linear.weight.shape
         if group_size not in INT4_GROUP_SIZES or in_features % group_size:
             raise ValueError(f"int4 needs in_features divisible by {group_size}, got {in_features}")
-        ours = _choose_kernel(kernel, kernels.int4_linear, linear.weight) == "kvchat"
-        nested = ours and group_size == GROUP_SIZE
+        kernel = _choose_kernel(kernel, kernels.int4_linear, linear.weight)
         groups = _fp32_copy(linear).reshape(out_features, -1, group_size)  # (N, K/G, G)
-        codes, scales = int4_rounding.round_groups(groups, nested)
+        codes, scales = int4_rounding.round_groups(groups, kernel == "kvchat" and group_size == GROUP_SIZE)
         return cls(codes.reshape(out_features, in_features), scales, linear.bias, kernel)
 
     def dequantized_weight(self) -> torch.Tensor:
