@@ -38,7 +38,8 @@ from kvchat.models import int4_rounding
 from kvchat.models.gguf_quant import GGUFInt4Layers
 from kvchat.models.packaged import ensure_converted, packaged_gguf
 from kvchat.models.progress import quiet_transformers
-from kvchat.models.quantize import Int4Linear, Int8Linear, quantize_model
+from kvchat.models.quantize import quantize_model
+from kvchat.models.quantized_linears import Int4Linear, Int8Linear
 
 TEXT = RHINE + (
     " Further south, the river forms the border between Germany and France for almost two hundred "

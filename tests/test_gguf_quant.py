@@ -13,7 +13,8 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from kvchat.errors import ModelLoadError
 from kvchat.models import gguf_quant
 from kvchat.models.gguf_quant import GGUFInt4Layers, read_int4_blocks, unpermute_rows
-from kvchat.models.quantize import Int4Linear, quantize_model
+from kvchat.models.quantize import quantize_model
+from kvchat.models.quantized_linears import Int4Linear
 from tests.tiny_models import make_tiny_model
 
 QType = gguf.GGMLQuantizationType

@@ -12,7 +12,7 @@ import torch
 from kvchat.engine.compiled_step import has_cpp_compiler
 from kvchat.models import int4_rounding
 from kvchat.models.int4_rounding import BLOCK_GROUPS, GroupScales, NestedScales
-from kvchat.models.quantize import GROUP_SIZE, Int4Linear, Int8Linear, fuse_quantized
+from kvchat.models.quantized_linears import GROUP_SIZE, Int4Linear, Int8Linear, fuse_quantized
 from kvchat.native import kernels
 
 

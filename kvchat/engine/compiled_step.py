@@ -4,7 +4,7 @@ The eager lean step spends about half of a small model's token in per-op dispatc
 frozen weights, inductor fuses the small ops into generated C++, calls them from a C++ wrapper, and
 runs each linear through its own GEMV template over weights it packs once (~25 GB/s here, and faster
 in a graph than kvchat's bf16 kernel, whose calls cost more there: TiledLinear keeps its weight for
-it); int8 and int4 layers (`--quantize`) run kvchat's own kernels in the graph (models/quantize.py),
+it); int8 and int4 layers (`--quantize`) run kvchat's own kernels in the graph (models/quantized_linears.py),
 or inductor's weight-only templates where those are not built. A token takes about 60% of the eager
 step's time. The price: compiling takes a minute or two at load, and bf16 and fp32 weights are packed
 into a second copy (quantized ones on kvchat's kernels are read in place). Prefill and speculation's

@@ -8,8 +8,8 @@ us of dispatch) still left ~7 ms. With kvchat's kernels built (native/decode_lay
 runs in one op, `kvchat::decoder_layers`: its RMSNorms, its rotation with the K/V written to the pool,
 its attention and silu(gate) * up are one C++ call each, its projections one call of their kernel
 (query, key and value fused into one, and gate and up: bf16_linears.fuse_tiled and
-quantize.fuse_quantized), the residual additions inside the bf16 kernel. It takes the linear layers of
-kvchat's kernels (bf16, int4, int8) and plain ones (fp32).
+quantized_linears.fuse_quantized), the residual additions inside the bf16 kernel. It takes the linear
+layers of kvchat's kernels (bf16, int4, int8) and plain ones (fp32).
 
 Other linear layers (oneDNN's packed bf16, torch's int4 and int8), or no kernels at all, keep the
 loop over the layers in Python, the model's modules called in turn: the same arithmetic in torch's
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvchat.engine.bf16_linears import TiledLinear, fuse_tiled
-from kvchat.models.quantize import Int4Linear, Int8Linear, fuse_quantized
+from kvchat.models.quantized_linears import Int4Linear, Int8Linear, fuse_quantized
 from kvchat.native import kernels
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
@@ -116,7 +116,8 @@ def layer_parts(layers, silu: bool, dtype: torch.dtype) -> tuple[Parts, float] |
 
 def fused_parts(linears: list[nn.Module], dtype: torch.dtype) -> Parts | None:
     """Several projections of one input as one, as `projection_parts` gives it: bf16 tiles
-    (bf16_linears.fuse_tiled) or int4/int8 codes (quantize.fuse_quantized); None where they differ."""
+    (bf16_linears.fuse_tiled) or int4/int8 codes (quantized_linears.fuse_quantized); None where they
+    differ."""
     tiled = fuse_tiled(linears)
     return projection_parts(tiled, dtype) if tiled is not None else fuse_quantized(linears)
 

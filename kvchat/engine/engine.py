@@ -20,7 +20,7 @@ from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.forward_cache import ForwardCache, cache_argument
 from kvchat.engine.paged_attention import KVPool, PagedKV, position_slots
 from kvchat.errors import CacheFullError
-from kvchat.models.quantize import Int4Linear, Int8Linear
+from kvchat.models.quantized_linears import Int4Linear, Int8Linear
 
 
 def kv_shape(config) -> tuple[int, int, int]:

@@ -79,7 +79,7 @@ def describe_quantization(model: Any) -> str:
     kernel)", "int4 (kvchat's kernels)", "int4-g128 (kvchat's kernels)", "int8 (torch's kernels)", ...
     (an int4 model's int8 output layer counts as int4's)."""
     from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
-    from kvchat.models.quantize import Int4Linear, Int8Linear
+    from kvchat.models.quantized_linears import Int4Linear, Int8Linear
 
     layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
     if not layers:

@@ -1,7 +1,8 @@
 """int4 weights from fp32 ones: each group of inputs rounded to 16 levels between two ends, as
-models/quantize.py's Int4Linear holds them: with a bf16 scale and zero a group (`GroupScales`), or, in
-groups of 32, nested (`NestedScales`): 8-bit scale and low codes a group under bf16 factors per block of
-8 groups, 4.625 bits a weight where bf16 scales and zeros take 5 (as llama.cpp's Q4_K nests its scales).
+models/quantized_linears.py's Int4Linear holds them: with a bf16 scale and zero a group
+(`GroupScales`), or, in groups of 32, nested (`NestedScales`): 8-bit scale and low codes a group under
+bf16 factors per block of 8 groups, 4.625 bits a weight where bf16 scales and zeros take 5 (as
+llama.cpp's Q4_K nests its scales).
 On SmolLM2's decoder weights quantized anew, nested and bf16 groups of 32 scored the same KL against
 fp32 (0.194 and 0.196; their weights' error 0.0696 and 0.0695).
 

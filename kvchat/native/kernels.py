@@ -6,7 +6,7 @@
   `rope_write`, `silu_mul`), and every decoder layer of a model in one (`decoder_layers`);
   engine/decode_step.py uses them;
 - quantized_linear.cpp: int4 and int8 linear layers at the machine's read bandwidth, on CPUs with
-  AVX-512 VNNI (`int4_linear`, `int8_linear`; models/quantize.py uses them);
+  AVX-512 VNNI (`int4_linear`, `int8_linear`; models/quantized_linears.py uses them);
 - bf16_linear.cpp: the bf16 linear layer at the machine's read bandwidth, on CPUs with AVX-512 BF16,
   several rows (prefill, speculation's drafts) on AMX's tiles where the CPU has them (`bf16_linear`;
   engine/decode_step.py's TiledLinear uses it).
