@@ -106,6 +106,14 @@ def test_nested_scales_cost_almost_no_error() -> None:
     )
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_rounding_keeps_the_weights_device(nested: bool) -> None:
+    """Codes and scales are made where the weights are (on a GPU, torch's kernel packs them there)."""
+    codes, scales = int4_rounding.round_groups(torch.zeros(16, 9, 32, device="meta"), nested)
+    assert codes.device.type == "meta"
+    assert all(getattr(scales, name).device.type == "meta" for name in scales.__dataclass_fields__)
+
+
 def test_shapes_the_kernels_cannot_take_are_refused() -> None:
     with pytest.raises(ValueError, match="divisible by 16"):
         Int8Linear.from_linear(nn.Linear(24, 16))  # the int8 kernel crashes on such rows

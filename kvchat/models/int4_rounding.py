@@ -67,7 +67,7 @@ def round_groups(
 ) -> tuple[torch.Tensor, GroupScales | NestedScales]:
     """Codes (N, n, G) uint8 in 0..15 of groups (N, n, G) of fp32 weights, and their scales: a bf16
     scale and zero a group, or nested."""
-    codes = torch.empty(groups.shape, dtype=torch.uint8)
+    codes = torch.empty(groups.shape, dtype=torch.uint8, device=groups.device)
     parts: list[GroupScales | NestedScales] = []
     for first in range(0, groups.shape[0], SEARCH_ROWS):
         rows = groups[first : first + SEARCH_ROWS]
