@@ -20,7 +20,7 @@ INT4_GROUPS = {"int4": 32, "int4-g128": 128}
 # The aten ops each mode runs on each device type (torch >= 2.6 has the CPU int4 ones).
 KERNELS = {
     ("int8", "cpu"): ("_weight_int8pack_mm",),
-    ("int8", "cuda"): ("_weight_int8pack_mm",),
+    ("int8", "cuda"): (),  # cuBLAS on the codes widened to bf16 (Int8Linear.forward)
     ("int4", "cpu"): ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu"),
     ("int4", "cuda"): ("_convert_weight_to_int4pack", "_weight_int4pack_mm"),
 }
