@@ -51,19 +51,20 @@ def make_kvchat_models(folder: Path, names: list[str]) -> dict[str, object]:
     return models
 
 
-def make_big_model(kind: str):
-    """A random-weight model with Qwen2.5-3B's shapes, in `kind` (bf16[-int8|-int4]), the same weights
-    each time (peer_gguf.write_big writes them for llama.cpp)."""
+def make_big_model(kind: str, device: str = "cpu"):
+    """A random-weight model with Qwen2.5-3B's shapes, in `kind` (bf16[-int8|-int4]), on `device`; the
+    same weights each time on a CPU (peer_gguf.write_big writes them for llama.cpp)."""
     config = Qwen2Config(**QWEN25_3B)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    model = model.to_empty(device=device).to(torch.bfloat16)
     model.tie_weights()  # to_empty gave the output layer its own storage
     with torch.no_grad():
         torch.manual_seed(BIG_SEED)
         for param in model.parameters():
             param.normal_(0, 0.02)
-        model.model.rotary_emb.__init__(config)  # its buffers were left empty by to_empty
+        with torch.device(device):
+            model.model.rotary_emb.__init__(config)  # its buffers were left empty by to_empty
     return apply_kind(model, kind)
 
 
