@@ -54,8 +54,12 @@ def smollm2():
 def isolated_user_dirs(tmp_path, monkeypatch):
     """Point home, config and history at a temp dir so no test reads or writes the user's.
 
-    Model caches stay where they are: a real-model test must not convert or download again.
+    Model caches stay where they are: a real-model test must not convert or download again. Quantized
+    layers are kept in the temp dir: each test quantizes, and none reads another's layers.
     """
+    from kvchat.models import quantized_cache
+
+    monkeypatch.setattr(quantized_cache, "folder", lambda: tmp_path / "quantized")
     home = Path.home()
     monkeypatch.setenv(
         "KVCHAT_CACHE_DIR", os.environ.get("KVCHAT_CACHE_DIR") or str(home / ".cache" / "kvchat")

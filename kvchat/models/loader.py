@@ -20,6 +20,7 @@ from transformers import (
 
 from kvchat.config import ModelSettings
 from kvchat.errors import KvchatError, ModelLoadError
+from kvchat.models import quantized_cache
 from kvchat.models.device import apply_threads, choose_device, choose_dtype
 from kvchat.models.gguf import ensure_gguf_converted
 from kvchat.models.gguf_quant import GGUFInt4Layers
@@ -119,7 +120,8 @@ def apply_quantize(
     progress: ProgressCallback | None = None,
 ) -> QuantizeReport | None:
     """Quantize the linear layers in place, reporting each layer to `progress` ("quantizing to int4",
-    ...); int4 keeps a Q4_0/Q4_1 GGUF's own 4-bit values."""
+    ...); int4 keeps a Q4_0/Q4_1 GGUF's own 4-bit values. Layers quantized anew are kept on disk, and
+    the next start with the same weights reads them back (models/quantized_cache.py)."""
     if mode == "none":
         return None
     from_file = None
@@ -133,13 +135,26 @@ def apply_quantize(
             config.num_key_value_heads,
             config.num_hidden_layers,
         )
+    kept = quantized_cache.cache_path(model, mode)
+    if kept.is_file():
+        description = f"reading the {mode} weights kept from an earlier start"
+        report(progress, description, 0, 1)
+        cached = quantized_cache.load(model, kept)
+        report(progress, description, 1, 1)
+        if cached is not None:
+            return cached
     with torch.no_grad():
-        return quantize_model(
+        result = quantize_model(
             model,
             mode,
             from_file=from_file,
             progress=lambda done, total: report(progress, f"quantizing to {mode}", done, total),
         )
+    if result.quantized:  # some layers were quantized anew: keep them for the next start
+        report(progress, f"keeping the {mode} weights for the next start", 0, 1)
+        quantized_cache.save(model, result, kept)
+        report(progress, f"keeping the {mode} weights for the next start", 1, 1)
+    return result
 
 
 def quantization_tag(report: QuantizeReport | None) -> str:

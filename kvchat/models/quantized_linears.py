@@ -66,6 +66,18 @@ class Int8Linear(nn.Module):
         codes = weight.div_(scales.float()[:, None]).round_().clamp_(-128, 127)
         return cls(codes, scales, linear.bias, kernel)
 
+    @classmethod
+    def from_buffers(
+        cls, buffers: dict[str, torch.Tensor | None], kernel: str, in_features: int, out_features: int
+    ) -> Int8Linear:
+        """A layer from the buffers of one laid out for `kernel` (models/quantized_cache.py keeps them)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features, layer.kernel = in_features, out_features, kernel
+        for name in ("codes", "scales", "bias"):
+            layer.register_buffer(name, buffers[name])
+        return layer
+
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by, in fp32: (N, K)."""
         codes = layout.untile_int8(self.codes) if self.kernel == "kvchat" else self.codes
@@ -151,6 +163,25 @@ class Int4Linear(nn.Module):
         groups = _fp32_copy(linear).reshape(out_features, -1, group_size)  # (N, K/G, G)
         codes, scales = int4_rounding.round_groups(groups, kernel == "kvchat" and group_size == GROUP_SIZE)
         return cls(codes.reshape(out_features, in_features), scales, linear.bias, kernel)
+
+    @classmethod
+    def from_buffers(
+        cls,
+        buffers: dict[str, torch.Tensor | None],
+        kernel: str,
+        in_features: int,
+        out_features: int,
+        group_size: int = GROUP_SIZE,
+        nested: bool = False,
+    ) -> Int4Linear:
+        """A layer from the buffers of one laid out for `kernel` (models/quantized_cache.py keeps them)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features, layer.kernel = in_features, out_features, kernel
+        layer.group_size, layer.nested = group_size, nested
+        for name in ("packed", "params", "bias"):
+            layer.register_buffer(name, buffers[name])
+        return layer
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by, in fp32: (N, K). torch's layout is read by running its

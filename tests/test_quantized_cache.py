@@ -1,0 +1,105 @@
+"""Quantized layers kept on disk: read back, they are the layers quantize_model made, and any change to
+what decides them (the weights, the mode, the dtype, the code) makes a kept file a miss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kvchat.config import ModelSettings
+from kvchat.models import quantized_cache
+from kvchat.models.loader import load_model
+from kvchat.models.quantize import quantize_model
+from tests.hf_tokenizers import load_smollm2_tokenizer
+from tests.tiny_models import make_tiny_model
+
+IDS = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))  # (1, T)
+
+
+def logits(model: nn.Module) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=IDS).logits  # (1, T, V)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4-g128"])
+def test_kept_layers_read_back_are_the_quantized_ones(mode: str) -> None:
+    quantized = make_tiny_model("qwen2", dtype=torch.bfloat16)  # qwen2: q/k/v carry a bias
+    path = quantized_cache.cache_path(quantized, mode)  # before quantizing: the key reads the weights
+    report = quantize_model(quantized, mode)
+    quantized_cache.save(quantized, report, path)
+    fresh = make_tiny_model("qwen2", dtype=torch.bfloat16)
+    assert quantized_cache.cache_path(fresh, mode) == path
+    assert quantized_cache.load(fresh, path) == report and report.num_replaced == 15
+    expected, got = dict(quantized.named_buffers()), dict(fresh.named_buffers())
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+    assert [repr(m) for m in fresh.modules()] == [repr(m) for m in quantized.modules()]
+    assert torch.equal(logits(fresh), logits(quantized))
+
+
+def test_the_key_follows_the_weights_the_mode_the_dtype_and_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = quantized_cache.cache_path(make_tiny_model("llama", dtype=torch.bfloat16), "int4")
+    assert quantized_cache.cache_path(make_tiny_model("llama", dtype=torch.bfloat16), "int4") == path
+    assert quantized_cache.cache_path(make_tiny_model("llama", dtype=torch.bfloat16), "int8") != path
+    assert quantized_cache.cache_path(make_tiny_model("llama"), "int4") != path  # fp32
+    assert quantized_cache.cache_path(make_tiny_model("llama", dtype=torch.bfloat16, seed=1), "int4") != path
+    touched = make_tiny_model("llama", dtype=torch.bfloat16)
+    with torch.no_grad():
+        touched.model.layers[1].mlp.down_proj.weight[0, 0] += 1.0
+    assert quantized_cache.cache_path(touched, "int4") != path
+    monkeypatch.setattr(quantized_cache, "_code_version", lambda: "another kvchat")
+    assert quantized_cache.cache_path(make_tiny_model("llama", dtype=torch.bfloat16), "int4") != path
+
+
+def kept(mode: str = "int4") -> Path:
+    """The file a tiny Llama quantized in `mode` is kept in."""
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    path = quantized_cache.cache_path(model, mode)
+    quantized_cache.save(model, quantize_model(model, mode), path)
+    return path
+
+
+def test_a_damaged_file_or_one_of_another_shape_or_code_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = kept()
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    assert quantized_cache.load(model, path) is None
+    assert not any(type(m).__name__.startswith("Int") for m in model.modules())  # untouched
+    other = make_tiny_model("llama", dtype=torch.bfloat16)
+    other.lm_head = nn.Linear(64, 256, bias=False, dtype=torch.bfloat16)  # the kept one has 512 rows
+    path.write_bytes(whole)
+    assert quantized_cache.load(other, path) is None
+    monkeypatch.setattr(quantized_cache, "_code_version", lambda: "another kvchat")
+    assert quantized_cache.load(make_tiny_model("llama", dtype=torch.bfloat16), path) is None
+
+
+def test_a_failed_write_leaves_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(quantized_cache, "save_file", full_disk)
+    path = kept()
+    assert not path.exists() and list(path.parent.iterdir()) == []
+
+
+def test_the_second_start_reads_the_kept_layers(tmp_path) -> None:
+    tokenizer = load_smollm2_tokenizer()
+    folder = tmp_path / "tiny-qwen2"
+    make_tiny_model("qwen2", vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    settings = ModelSettings(model=str(folder), dtype="bf16", device="cpu", threads=1, quantize="int4")
+    stages: list[list[str]] = []
+    for _ in range(2):
+        stages.append([])
+        loaded = load_model(settings, progress=lambda d, done, total: stages[-1].append(d))
+        stages[-1].append(loaded)  # type: ignore[arg-type]
+    (*first, quantized), (*second, again) = stages
+    assert "quantizing to int4" in first and "keeping the int4 weights for the next start" in first
+    assert "quantizing to int4" not in second
+    assert "reading the int4 weights kept from an earlier start" in second
+    assert again.quantization == quantized.quantization and again.fingerprint == quantized.fingerprint
+    assert torch.equal(logits(again.model), logits(quantized.model))
