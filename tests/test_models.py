@@ -153,9 +153,12 @@ def test_a_quantized_load_reports_loading_then_quantizing(tiny_folder: Path) -> 
     stages = [description for description, _, _ in calls]
     loading = next(d for d in stages if d.startswith("loading "))
     keeping = ["keeping the int4-g128 weights for the next start"] * 2  # begun, done
-    assert stages[stages.index(loading) :] == [loading, loading] + ["quantizing to int4-g128"] * (
-        len(stages) - stages.index(loading) - 4
-    ) + keeping
+    assert (
+        stages[stages.index(loading) :]
+        == [loading, loading]
+        + ["quantizing to int4-g128"] * (len(stages) - stages.index(loading) - 4)
+        + keeping
+    )
     done, total = calls[-3][1:]
     assert done == total and total is not None and total > 0  # every linear layer, then all of them
     assert (loading, 1, 1) in calls  # loading is complete before quantizing starts
