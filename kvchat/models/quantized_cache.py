@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from kvchat.models import int4_rounding, quantize, quantized_linears, weight_layout
+from kvchat.models import gguf_quant, int4_rounding, quantize, quantized_linears, weight_layout
 from kvchat.models.gguf import cache_dir
 from kvchat.models.quantize import QuantizeReport
 from kvchat.models.quantized_linears import Int4Linear, Int8Linear
@@ -118,7 +118,7 @@ def _code_version() -> str:
     """A hash of the code that decides quantized layers and their layouts: any change to it (a new
     rounding, another layout) makes every file kept before it a miss."""
     digest = hashlib.sha256()
-    for module in (int4_rounding, quantize, quantized_linears, weight_layout):
+    for module in (gguf_quant, int4_rounding, quantize, quantized_linears, weight_layout):
         digest.update(Path(inspect.getfile(module)).read_bytes())
     return digest.hexdigest()[:16]
 
