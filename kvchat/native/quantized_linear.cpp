@@ -94,8 +94,10 @@ struct InputRows {
     code_sums = x.code_sums.data_ptr<int32_t>() + first * groups;
   }
 
-  // sum(weight code * (256 xq + xr)) of row b over group g, for 16 output rows (group_dot)
+  // sum(weight code * (256 xq + xr)) of row b over group g, for 16 output rows: of int8 blocks
+  // (group_dot), of int4_blocks' (int4_group_dot)
   __m512i dot(const __m512i (&v)[8], int b, int64_t g) const;
+  __m512i int4_dot(const __m512i (&v)[8], int b, int64_t g) const;
 };
 
 inline __m512 widen_bf16(const uint16_t* p) {
@@ -179,36 +181,36 @@ __m512i InputRows::dot(const __m512i (&v)[8], int b, int64_t g) const {
   return group_dot(v, codes + b * inputs + g * kGroup, residues + b * inputs + g * kGroup);
 }
 
-// One int4 tile-group's codes as group_dot's eight blocks, the lines `ahead` groups on prefetched into L1.
+// One int4 tile-group's codes as eight blocks for int4_group_dot: the low nibbles, then the high ones
+// masked in place (16 times their codes), the lines `ahead` groups on prefetched into L1.
 inline void int4_blocks(const uint8_t* c, int64_t ahead, __m512i (&v)[8]) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
   for (int i = 0; i < 4; ++i) {
     _mm_prefetch(reinterpret_cast<const char*>(c + ahead * kCodeBytes + 64 * i), _MM_HINT_T0);
     const __m512i raw = _mm512_loadu_si512(c + 64 * i);
     v[i] = _mm512_and_si512(raw, low);
-    v[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    v[i + 4] = _mm512_and_si512(raw, high);
   }
 }
 
-// int4_blocks and group_dot in one, for a single input row: the high nibbles are masked in place, not
-// shifted down, so their products come 16 times too large and are shifted back exactly once summed
-// (each sum stays below 2^27); the same integers in 4 fewer instructions a group.
-inline __m512i int4_group_dot(const uint8_t* c, int64_t ahead, const int8_t* coarse, const int8_t* fine) {
-  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+// group_dot for int4_blocks' blocks: the high blocks' products come 16 times too large and are shifted
+// back exactly once summed (each sum stays below 2^27), which spares shifting every block's codes down.
+inline __m512i int4_group_dot(const __m512i (&v)[8], const int8_t* coarse, const int8_t* fine) {
   __m512i dot_low = _mm512_setzero_si512(), dot_high = _mm512_setzero_si512();
   __m512i rest_low = _mm512_setzero_si512(), rest_high = _mm512_setzero_si512();
   for (int i = 0; i < 4; ++i) {
-    _mm_prefetch(reinterpret_cast<const char*>(c + ahead * kCodeBytes + 64 * i), _MM_HINT_T0);
-    const __m512i raw = _mm512_loadu_si512(c + 64 * i);
-    const __m512i l = _mm512_and_si512(raw, low), h = _mm512_and_si512(raw, high);
-    dot_low = _mm512_dpbusd_epi32(dot_low, l, broadcast_four(coarse + 4 * i));
-    rest_low = _mm512_dpbusd_epi32(rest_low, l, broadcast_four(fine + 4 * i));
-    dot_high = _mm512_dpbusd_epi32(dot_high, h, broadcast_four(coarse + 16 + 4 * i));
-    rest_high = _mm512_dpbusd_epi32(rest_high, h, broadcast_four(fine + 16 + 4 * i));
+    dot_low = _mm512_dpbusd_epi32(dot_low, v[i], broadcast_four(coarse + 4 * i));
+    rest_low = _mm512_dpbusd_epi32(rest_low, v[i], broadcast_four(fine + 4 * i));
+    dot_high = _mm512_dpbusd_epi32(dot_high, v[i + 4], broadcast_four(coarse + 16 + 4 * i));
+    rest_high = _mm512_dpbusd_epi32(rest_high, v[i + 4], broadcast_four(fine + 16 + 4 * i));
   }
   const __m512i lows = _mm512_add_epi32(_mm512_slli_epi32(dot_low, 8), rest_low);
   const __m512i highs = _mm512_add_epi32(_mm512_slli_epi32(dot_high, 8), rest_high);
   return _mm512_add_epi32(lows, _mm512_srai_epi32(highs, 4));
+}
+
+__m512i InputRows::int4_dot(const __m512i (&v)[8], int b, int64_t g) const {
+  return int4_group_dot(v, codes + b * inputs + g * kGroup, residues + b * inputs + g * kGroup);
 }
 
 // One span of an int4 tile: its 16 scales, and its zeros less 8 scales (weight = code * scale + offset).
@@ -320,7 +322,7 @@ void int4_tile(const uint8_t* codes, const Params& params, int64_t groups, const
       int4_blocks(codes + g * kCodeBytes, kAhead, v);
       for (int b = 0; b < B; ++b) {
         // |sum(code * (256 xq + xr))| <= 32 * 15 * (256 * 127 + 128) < 2^24: exact in int32 and fp32
-        const __m512 dot = _mm512_cvtepi32_ps(rows.dot(v, b, g));
+        const __m512 dot = _mm512_cvtepi32_ps(rows.int4_dot(v, b, g));
         const __m512 step = _mm512_set1_ps(rows.scales[b * groups + g] / 256.0f);
         dots[b] = s == 0 ? _mm512_mul_ps(dot, step) : _mm512_fmadd_ps(dot, step, dots[b]);
         sums[b] = s == 0 ? rows.sums[b * groups + g] : sums[b] + rows.sums[b * groups + g];
@@ -347,9 +349,9 @@ void int4_tile(const uint8_t* codes, const Params& params, int64_t groups, const
 // int4-g128's at 0.92x (0.85x). Into L2 instead: 2-4% slower; 2 or 4 tiles at once: 3-15% slower;
 // 16: 5%. Nested params: each tile's block scales and lows widened once a block, not once a group
 // (1.05-1.09x kernel only against bf16 params, at 8% fewer bytes; 1.05-1.08x widened each group).
-// The codes through int4_group_dot and nested params summed a block at a time (BlockSums), ~10% fewer
-// instructions: 1.01-1.02x kernel only (the variants in rotated order, 15 rounds), so the loop is not
-// bound by its instructions alone.
+// The high nibbles masked in place (int4_group_dot) and nested params summed a block at a time
+// (BlockSums), ~10% fewer instructions: 1.01-1.02x kernel only (the variants in rotated order, 15
+// rounds), so the loop is not bound by its instructions alone.
 template <int T, int S, typename Params>
 void int4_row_tiles(const uint8_t* codes, const Params& params, int64_t groups, const QuantizedInput& x,
                     float* out) {
@@ -372,8 +374,9 @@ void int4_row_tiles(const uint8_t* codes, const Params& params, int64_t groups, 
       // near the row's end, the start of the tile this stream takes next (T tiles on)
       const int64_t ahead = g + kInt4StreamAhead < groups ? kInt4StreamAhead : kInt4StreamAhead + (T - 1) * groups;
       for (int t = 0; t < T; ++t) {
-        const __m512 dot = _mm512_cvtepi32_ps(int4_group_dot(codes + (t * groups + g) * kCodeBytes, ahead,
-                                                             rows.codes + g * kGroup, rows.residues + g * kGroup));
+        __m512i v[8];
+        int4_blocks(codes + (t * groups + g) * kCodeBytes, ahead, v);
+        const __m512 dot = _mm512_cvtepi32_ps(rows.int4_dot(v, 0, g));
         dots[t] = s == 0 ? _mm512_mul_ps(dot, step) : _mm512_fmadd_ps(dot, step, dots[t]);
       }
     }
