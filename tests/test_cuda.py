@@ -20,10 +20,10 @@ from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.records import GenerationStep, SamplingParams
-from kvchat.engine.speculate import PromptLookup
 from kvchat.models.quantize import quantize_model
 from kvchat.models.quantized_linears import Int4Linear, Int8Linear
 from tests.hf_tokenizers import load_qwen25_tokenizer
+from tests.test_speculative import EveryMatch, repeating_prompt, varied_model
 from tests.tiny_models import KINDS, make_tiny_model
 
 pytestmark = [
@@ -54,7 +54,7 @@ class Ids:
         return "".join(f"<{t}>" for t in token_ids)
 
 
-def greedy_ids(model, prompt: list[int], params: SamplingParams, drafter=None) -> list[int]:
+def generated_ids(model, prompt: list[int], params: SamplingParams, drafter=None) -> list[int]:
     engine = Engine(model, kv_memory_bytes=1 << 22, block_size=4, prefill_chunk=512)
     seq = engine.start(prompt)
     steps = generate(engine, seq, params, frozenset(), StreamDetokenizer(Ids()), drafter)
@@ -125,43 +125,25 @@ def test_cuda_decodes_the_cpus_logits():
 
 
 def test_seeded_sampling_on_cuda_repeats_and_greedy_follows_the_argmax():
-    model = make_tiny_model("llama", vocab_size=64).to(CUDA)
-    with torch.no_grad():
-        for weight in model.parameters():  # at init scale a tiny model's answers repeat one token
-            if weight.dim() > 1:
-                weight.mul_(10.0)
+    model = varied_model("llama").to(CUDA)
     prompt = random_ids(20, seed=6, vocab=64)
     sampled = SamplingParams(
         temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.1, max_tokens=24, seed=3
     )
-    assert greedy_ids(model, prompt, sampled) == greedy_ids(model, prompt, sampled)
-    assert len(greedy_ids(model, prompt, sampled)) == 24
-    greedy = greedy_ids(model, prompt, SamplingParams(max_tokens=12))
+    assert generated_ids(model, prompt, sampled) == generated_ids(model, prompt, sampled)
+    assert len(generated_ids(model, prompt, sampled)) == 24
+    greedy = generated_ids(model, prompt, SamplingParams(max_tokens=12))
     ids = list(prompt)
     for token in greedy:
         assert token == int(full_logits(model, ids)[-1].argmax())
         ids.append(token)
 
 
-class EveryMatch:
-    """Prompt lookup that drafts after a match of any length, whatever verifying costs."""
-
-    draft_max = 6
-
-    def make_drafter(self, vocab_size, cost=None):
-        return PromptLookup()
-
-
 def test_prompt_lookup_on_cuda_gives_the_plain_greedy_answer():
-    model = make_tiny_model("qwen2", vocab_size=64, seed=1).to(CUDA)
-    with torch.no_grad():
-        for weight in model.parameters():
-            if weight.dim() > 1:
-                weight.mul_(10.0)
-    passage = random_ids(40, seed=7, vocab=64)
-    prompt = passage + random_ids(5, seed=8, vocab=64) + passage[:12]
+    model = varied_model("qwen2", seed=1).to(CUDA)
+    prompt = repeating_prompt(1)
     params = SamplingParams(max_tokens=40)
-    assert greedy_ids(model, prompt, params, EveryMatch()) == greedy_ids(model, prompt, params)
+    assert generated_ids(model, prompt, params, EveryMatch()) == generated_ids(model, prompt, params)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "int4-g128"])

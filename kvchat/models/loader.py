@@ -151,9 +151,10 @@ def apply_quantize(
             progress=lambda done, total: report(progress, f"quantizing to {mode}", done, total),
         )
     if result.quantized:  # some layers were quantized anew: keep them for the next start
-        report(progress, f"keeping the {mode} weights for the next start", 0, 1)
+        description = f"keeping the {mode} weights for the next start"
+        report(progress, description, 0, 1)
         quantized_cache.save(model, result, kept)
-        report(progress, f"keeping the {mode} weights for the next start", 1, 1)
+        report(progress, description, 1, 1)
     return result
 
 
