@@ -12,10 +12,10 @@ free-writing and a copying prompt), ttft (cold, ~2,000 tokens; turn 2 reusing th
 (one-thread read of 256 MB), big (a random-weight model shaped as Qwen2.5-3B: kvchat's bf16 and the
 quantized kinds asked for, and llama.cpp's types asked for, on GGUF files of the same weights, written
 once: ~2 minutes and 11 GB of disk for BF16, Q8_0 and Q4_1; Q4_K is made from BF16 by llama.cpp, 1.9 GB
-more), big-turns (kvchat's kinds alone on that model, held in memory together and taking turns,
-`--repeats` rounds: the median of each kind's ratios to bf16 round by round, which the machine's drift
-moves least; ~13 GB of memory for bf16, int8, int4 and int4-g128; `--big-ttft-tokens N` adds each kind's
-cold TTFT over N tokens, in turns too).
+more), big-turns (kvchat's kinds alone on that model, held in memory together, decoding a token each
+in turn, `--repeats` windows of `--big-tokens` tokens: the median of each kind's ratios to bf16 window
+by window, which the machine's drift moves least; ~13 GB of memory for bf16, int8, int4 and int4-g128;
+`--big-ttft-tokens N` adds each kind's cold TTFT over N tokens, in rounds in turn).
 """
 
 from __future__ import annotations
@@ -202,29 +202,40 @@ def run_big(args) -> None:
 
 
 def run_big_turns(args) -> None:
-    """kvchat's kinds on the 3B-shaped model, taking turns round by round: ratios to bf16 per round."""
+    """kvchat's kinds on the 3B-shaped model, a token each in turn: ratios to bf16 per window of
+    `--big-tokens` tokens."""
     kinds = [k for k in BIG_KINDS if k == "bf16" or f"kvchat-{k}" in args.variants]
     runners = {kind: KvchatRunner(make_big_model(kind), None, False) for kind in kinds}
     prompt = list(range(1000, 1050))
-    for runner in runners.values():
-        runner.decode(prompt, 2)
-    rates: dict[str, list[float]] = {kind: [] for kind in kinds}
-    for _ in range(args.repeats):
-        for kind, runner in runners.items():
-            rates[kind].append(runner.decode(prompt, args.big_tokens))
+    total = args.repeats * args.big_tokens
+    streams = {kind: runner.tokens(prompt, total) for kind, runner in runners.items()}
+    for stream in streams.values():
+        next(stream)  # the prefill and the first token
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for token in range(total):
+        for kind in kinds if token % 2 == 0 else kinds[::-1]:
+            start = time.perf_counter()
+            next(streams[kind])
+            times[kind].append(time.perf_counter() - start)
+    for stream in streams.values():
+        stream.close()
     rows = []
     for kind in kinds:
-        ratios = [rate / base for rate, base in zip(rates[kind], rates["bf16"], strict=True)]
-        median = statistics.median(rates[kind])
+        spans = [
+            (sum(times["bf16"][i : i + args.big_tokens]), sum(times[kind][i : i + args.big_tokens]))
+            for i in range(0, total, args.big_tokens)
+        ]
+        ratios = [base / took for base, took in spans]
+        median = args.big_tokens / statistics.median(took for _, took in spans)
         gb_s = median * runners[kind].weight_bytes / 1e9
         rows.append(
             f"| kvchat-{kind} | {median:.2f} | {gb_s:.1f} | {statistics.median(ratios):.2f}x | "
             f"{min(ratios):.2f}-{max(ratios):.2f}x |"
         )
     table(
-        f"kvchat on the Qwen2.5-3B-shaped model, the kinds taking turns, {args.repeats} rounds of "
-        f"{args.big_tokens} tokens, ~50 tokens of context",
-        "| variant | tok/s (median) | weights GB/s | vs bf16 (median of the rounds' ratios) | range |",
+        f"kvchat on the Qwen2.5-3B-shaped model, the kinds taking turns a token each, {total} tokens "
+        f"({args.repeats} windows of {args.big_tokens}), from ~50 tokens of context",
+        "| variant | tok/s (median window) | weights GB/s | vs bf16 (median of windows) | range |",
         rows,
     )
     if args.big_ttft_tokens:

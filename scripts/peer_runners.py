@@ -4,6 +4,7 @@ prefix reused after the first call), cold TTFT, and turn-2 TTFT after a first tu
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -110,6 +111,19 @@ class KvchatRunner:
 
     def decode(self, prompt: list[int], num_tokens: int) -> float:
         return self._run(prompt, num_tokens).stats.decode_tok_s
+
+    def tokens(self, prompt: list[int], num_tokens: int) -> Iterator[None]:
+        """Greedy decode after `prompt`, a token a step: the first next() prefills and samples the
+        first token, each of the `num_tokens` after it decodes one more."""
+        seq = self.engine.start(prompt)
+        try:
+            params = SamplingParams(max_tokens=num_tokens + 1)
+            detok = StreamDetokenizer(self.tokenizer or _NoText())
+            for step in generate(self.engine, seq, params, frozenset(), detok, self.speculation):
+                if isinstance(step, GenerationStep):
+                    yield
+        finally:
+            self.engine.free(seq)
 
     def ttft_cold(self, prompt: list[int]) -> float:
         return self._run(prompt, 1, reuse=False).stats.ttft_s
