@@ -13,9 +13,10 @@
 
 They are built at first use with the machine's C++ compiler (`torch.utils.cpp_extension`, ~25 s) for
 this CPU (`-march=native`), and cached by torch under a name that carries the CPU's features, so a
-cache shared between machines never serves one CPU another's build. Where they cannot be built,
-attention gathers the K/V, quantized layers run torch's own kernels and bf16 ones oneDNN's;
-`build_error()` says why.
+cache shared between machines never serves one CPU another's build, and the sources' folder, so two
+copies of kvchat on one machine (a checkout and a clone of it) keep a build each instead of rebuilding
+over each other. Where they cannot be built, attention gathers the K/V, quantized layers run torch's
+own kernels and bf16 ones oneDNN's; `build_error()` says why.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _build() -> tuple[bool, str | None]:
             folder = resources.files("kvchat.native")
             paths = [str(stack.enter_context(resources.as_file(folder.joinpath(name)))) for name in SOURCES]
             cpp_extension.load(
-                name=f"kvchat_kernels_{_cpu_tag()}",
+                name=f"kvchat_kernels_{_build_tag(Path(paths[0]).parent)}",
                 sources=paths,
                 extra_cflags=FLAGS,
                 is_python_module=False,
@@ -129,11 +130,12 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def _cpu_tag() -> str:
-    """A short hash of what -march=native compiles for: the machine type and its CPU's feature flags."""
+def _build_tag(sources: Path) -> str:
+    """A short hash of what -march=native compiles for (the machine type and its CPU's feature flags)
+    and of where the sources are."""
     flags = ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         lines = cpuinfo.read_text().splitlines()
         flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{platform.machine()} {flags} {sources.resolve()}".encode()).hexdigest()[:12]
