@@ -59,6 +59,14 @@ class ModelSettings:
         flag="--quantize",
         choices=("none", "int8", "int4", "int4-g128"),
     )
+    quant_cache: bool = setting(
+        True,
+        "Keep the layers --quantize makes anew in ~/.cache/kvchat/quantized/ and read them back at the "
+        "next start with the same weights and mode (a 3B model quantizes in ~90 s, reads back in "
+        "under a second); off: quantize at every start, nothing read or written.",
+        flag="--quant-cache",
+        detail="One file per model and mode (1.9 GB for a 3B model in int4); deleting the folder is safe.",
+    )
     compile: bool = setting(
         False,
         "Compile the decode step of Llama, Qwen2 and Qwen3 models on CPU with torch.compile. Where "

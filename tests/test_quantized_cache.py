@@ -103,3 +103,27 @@ def test_the_second_start_reads_the_kept_layers(tmp_path) -> None:
     assert "reading the int4 weights kept from an earlier start" in second
     assert again.quantization == quantized.quantization and again.fingerprint == quantized.fingerprint
     assert torch.equal(logits(again.model), logits(quantized.model))
+
+
+def test_quant_cache_off_neither_reads_nor_writes(tmp_path) -> None:
+    tokenizer = load_smollm2_tokenizer()
+    folder = tmp_path / "tiny-qwen2"
+    make_tiny_model("qwen2", vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    kept = quantized_cache.folder()
+
+    def stages(keep: bool) -> list[str]:
+        settings = ModelSettings(
+            model=str(folder), dtype="bf16", device="cpu", threads=1, quantize="int4", quant_cache=keep
+        )
+        seen: list[str] = []
+        load_model(settings, progress=lambda d, done, total: seen.append(d))
+        return seen
+
+    off = stages(False)
+    assert "quantizing to int4" in off and not any("kept" in s or "keeping" in s for s in off)
+    assert not kept.exists() or list(kept.iterdir()) == []
+    assert "keeping the int4 weights for the next start" in stages(True)
+    assert len(list(kept.iterdir())) == 1
+    again = stages(False)  # a kept file there is not read either
+    assert "quantizing to int4" in again and not any("kept" in s for s in again)

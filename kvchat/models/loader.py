@@ -86,7 +86,7 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
     report(progress, description, 1, 1)  # quantizing, a stage of its own, comes after
-    quantization = apply_quantize(model, settings.quantize, source, folder, progress)
+    quantization = apply_quantize(model, settings.quantize, source, folder, progress, settings.quant_cache)
     eos_ids = eos_token_ids(model, tokenizer)
     if not eos_ids:
         raise ModelLoadError(f"{source.model_id} names no end-of-sequence token; replies would never end")
@@ -118,10 +118,11 @@ def apply_quantize(
     source: ModelSource,
     converted: Path | None,
     progress: ProgressCallback | None = None,
+    keep: bool = True,
 ) -> QuantizeReport | None:
     """Quantize the linear layers in place, reporting each layer to `progress` ("quantizing to int4",
-    ...); int4 keeps a Q4_0/Q4_1 GGUF's own 4-bit values. Layers quantized anew are kept on disk, and
-    the next start with the same weights reads them back (models/quantized_cache.py)."""
+    ...); int4 keeps a Q4_0/Q4_1 GGUF's own 4-bit values. Where `keep`, layers quantized anew are kept
+    on disk, and the next start with the same weights reads them back (models/quantized_cache.py)."""
     if mode == "none":
         return None
     from_file = None
@@ -135,8 +136,8 @@ def apply_quantize(
             config.num_key_value_heads,
             config.num_hidden_layers,
         )
-    kept = quantized_cache.cache_path(model, mode)
-    if kept.is_file():
+    kept = quantized_cache.cache_path(model, mode) if keep else None
+    if kept is not None and kept.is_file():
         description = f"reading the {mode} weights kept from an earlier start"
         report(progress, description, 0, 1)
         cached = quantized_cache.load(model, kept)
@@ -150,7 +151,7 @@ def apply_quantize(
             from_file=from_file,
             progress=lambda done, total: report(progress, f"quantizing to {mode}", done, total),
         )
-    if result.quantized:  # some layers were quantized anew: keep them for the next start
+    if kept is not None and result.quantized:  # some layers were quantized anew: keep them for the next start
         description = f"keeping the {mode} weights for the next start"
         report(progress, description, 0, 1)
         quantized_cache.save(model, result, kept)
