@@ -116,13 +116,15 @@ class KvchatRunner:
         """Greedy decode after `prompt`, a token a step: the first next() prefills and samples the
         first token, each of the `num_tokens` after it decodes one more."""
         seq = self.engine.start(prompt)
+        detok = StreamDetokenizer(self.tokenizer or _NoText())
+        params = SamplingParams(max_tokens=num_tokens + 1)
+        steps = generate(self.engine, seq, params, frozenset(), detok, self.speculation)
         try:
-            params = SamplingParams(max_tokens=num_tokens + 1)
-            detok = StreamDetokenizer(self.tokenizer or _NoText())
-            for step in generate(self.engine, seq, params, frozenset(), detok, self.speculation):
+            for step in steps:
                 if isinstance(step, GenerationStep):
                     yield
         finally:
+            steps.close()  # before the sequence goes: closing puts it back to what was yielded
             self.engine.free(seq)
 
     def ttft_cold(self, prompt: list[int]) -> float:
