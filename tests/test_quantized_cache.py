@@ -86,11 +86,17 @@ def test_a_failed_write_leaves_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not path.exists() and list(path.parent.iterdir()) == []
 
 
-def test_the_second_start_reads_the_kept_layers(tmp_path) -> None:
+def saved_tiny_qwen2(tmp_path: Path) -> Path:
+    """A tiny Qwen2 model folder with SmolLM2's tokenizer, as kvchat --model loads one."""
     tokenizer = load_smollm2_tokenizer()
     folder = tmp_path / "tiny-qwen2"
     make_tiny_model("qwen2", vocab_size=len(tokenizer)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_second_start_reads_the_kept_layers(tmp_path) -> None:
+    folder = saved_tiny_qwen2(tmp_path)
     settings = ModelSettings(model=str(folder), dtype="bf16", device="cpu", threads=1, quantize="int4")
     stages: list[list[str]] = []
     for _ in range(2):
@@ -106,10 +112,7 @@ def test_the_second_start_reads_the_kept_layers(tmp_path) -> None:
 
 
 def test_quant_cache_off_neither_reads_nor_writes(tmp_path) -> None:
-    tokenizer = load_smollm2_tokenizer()
-    folder = tmp_path / "tiny-qwen2"
-    make_tiny_model("qwen2", vocab_size=len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = saved_tiny_qwen2(tmp_path)
     kept = quantized_cache.folder()
 
     def stages(keep: bool) -> list[str]:
