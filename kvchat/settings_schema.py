@@ -61,11 +61,12 @@ class ModelSettings:
     )
     quant_cache: bool = setting(
         True,
-        "Keep the layers --quantize makes anew in ~/.cache/kvchat/quantized/ and read them back at the "
-        "next start with the same weights and mode (a 3B model quantizes in ~90 s, reads back in "
-        "under a second); off: quantize at every start, nothing read or written.",
+        "Keep the layers --quantize makes anew on disk, read back at the next start with the same "
+        "weights and mode (a 3B model quantizes in ~90 s, reads back in under a second); off: quantize "
+        "at every start, nothing read or written.",
         flag="--quant-cache",
-        detail="One file per model and mode (1.9 GB for a 3B model in int4); deleting the folder is safe.",
+        detail="In quantized/ of the cache folder (~/.cache/kvchat or $KVCHAT_CACHE_DIR), one file per "
+        "model and mode (1.9 GB for a 3B model in int4); deleting it is safe.",
     )
     compile: bool = setting(
         False,
