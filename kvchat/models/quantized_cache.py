@@ -28,7 +28,7 @@ from torch import nn
 from kvchat.models import gguf_quant, int4_rounding, quantize, quantized_linears, weight_layout
 from kvchat.models.gguf import cache_dir
 from kvchat.models.quantize import QuantizeReport
-from kvchat.models.quantized_linears import Int4Linear, Int8Linear
+from kvchat.models.quantized_linears import Int4Linear, Int8Linear, rebuilt
 from kvchat.native import kernels
 
 _PIECES, _PIECE = 64, 64  # values sampled from each weight: _PIECES runs of _PIECE
@@ -135,28 +135,17 @@ def _sample(tensor: torch.Tensor) -> bytes:
 
 
 def _describe(module: Int4Linear | Int8Linear) -> dict[str, object]:
-    spec: dict[str, object] = {
-        "class": type(module).__name__,
-        "kernel": module.kernel,
-        "in_features": module.in_features,
-        "out_features": module.out_features,
-    }
-    if isinstance(module, Int4Linear):
-        spec.update(group_size=module.group_size, nested=module.nested)
-    return spec
+    return {"class": type(module).__name__, **{name: getattr(module, name) for name in module.ATTRIBUTES}}
 
 
 def _layer(spec: dict, name: str, tensors: dict[str, torch.Tensor]) -> Int4Linear | Int8Linear:
-    kind = spec["class"]
-    names = ("packed", "params") if kind == "Int4Linear" else ("codes", "scales")
-    buffers: dict[str, torch.Tensor | None] = {b: tensors[f"{name}.{b}"] for b in names}
-    buffers["bias"] = tensors.get(f"{name}.bias")
-    shape = (spec["kernel"], spec["in_features"], spec["out_features"])
-    if kind == "Int4Linear":
-        return Int4Linear.from_buffers(buffers, *shape, group_size=spec["group_size"], nested=spec["nested"])
-    if kind == "Int8Linear":
-        return Int8Linear.from_buffers(buffers, *shape)
-    raise ValueError(f"no such layer: {kind}")
+    kinds = {kind.__name__: kind for kind in (Int4Linear, Int8Linear)}
+    if spec["class"] not in kinds:
+        raise ValueError(f"no such layer: {spec['class']}")
+    kind = kinds[spec["class"]]
+    # a missing buffer is a KeyError (a file that does not fit), but for a bias: a layer without one
+    buffers = {b: tensors[f"{name}.{b}"] for b in kind.BUFFERS if b != "bias" or f"{name}.bias" in tensors}
+    return rebuilt(kind, spec, buffers)
 
 
 def _fits(model: nn.Module, name: str, layer: nn.Module) -> bool:

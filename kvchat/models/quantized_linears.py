@@ -41,6 +41,9 @@ class Int8Linear(nn.Module):
     codes: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor | None
+    # what describes a layer beside its buffers (`rebuilt`)
+    ATTRIBUTES = ("kernel", "in_features", "out_features")
+    BUFFERS = ("codes", "scales", "bias")
 
     def __init__(
         self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None
@@ -65,18 +68,6 @@ class Int8Linear(nn.Module):
         scales = (absmax / 127).to(KERNEL_DTYPE)  # the kernel sees the rounded scale: quantize with it
         codes = weight.div_(scales.float()[:, None]).round_().clamp_(-128, 127)
         return cls(codes, scales, linear.bias, kernel)
-
-    @classmethod
-    def from_buffers(
-        cls, buffers: dict[str, torch.Tensor | None], kernel: str, in_features: int, out_features: int
-    ) -> Int8Linear:
-        """A layer from the buffers of one laid out for `kernel` (models/quantized_cache.py keeps them)."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.in_features, layer.out_features, layer.kernel = in_features, out_features, kernel
-        for name in ("codes", "scales", "bias"):
-            layer.register_buffer(name, buffers[name])
-        return layer
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by, in fp32: (N, K)."""
@@ -114,6 +105,8 @@ class Int4Linear(nn.Module):
     packed: torch.Tensor
     params: torch.Tensor
     bias: torch.Tensor | None
+    ATTRIBUTES = ("kernel", "in_features", "out_features", "group_size", "nested")
+    BUFFERS = ("packed", "params", "bias")
 
     def __init__(
         self,
@@ -164,25 +157,6 @@ class Int4Linear(nn.Module):
         codes, scales = int4_rounding.round_groups(groups, kernel == "kvchat" and group_size == GROUP_SIZE)
         return cls(codes.reshape(out_features, in_features), scales, linear.bias, kernel)
 
-    @classmethod
-    def from_buffers(
-        cls,
-        buffers: dict[str, torch.Tensor | None],
-        kernel: str,
-        in_features: int,
-        out_features: int,
-        group_size: int = GROUP_SIZE,
-        nested: bool = False,
-    ) -> Int4Linear:
-        """A layer from the buffers of one laid out for `kernel` (models/quantized_cache.py keeps them)."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.in_features, layer.out_features, layer.kernel = in_features, out_features, kernel
-        layer.group_size, layer.nested = group_size, nested
-        for name in ("packed", "params", "bias"):
-            layer.register_buffer(name, buffers[name])
-        return layer
-
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by, in fp32: (N, K). torch's layout is read by running its
         kernel on an identity."""
@@ -204,6 +178,20 @@ class Int4Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"int4 group {self.group_size}{', nested scales' if self.nested else ''}, {self.kernel}'s kernel"
         )
+
+
+def rebuilt(
+    kind: type[Int4Linear | Int8Linear], attributes: dict[str, object], buffers: dict[str, torch.Tensor]
+) -> Int4Linear | Int8Linear:
+    """A layer of `kind` from another one's `ATTRIBUTES` and `BUFFERS` (a missing bias: none), as
+    models/quantized_cache.py keeps them: its buffers as they are, laid out for its kernel."""
+    layer = kind.__new__(kind)
+    nn.Module.__init__(layer)
+    for name in kind.ATTRIBUTES:
+        setattr(layer, name, attributes[name])
+    for name in kind.BUFFERS:
+        layer.register_buffer(name, buffers.get(name))
+    return layer
 
 
 def fuse_quantized(linears: list[nn.Module]) -> list[torch.Tensor | None] | None:
