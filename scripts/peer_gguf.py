@@ -4,8 +4,8 @@ random-weight model with Qwen2.5-3B's shapes.
 The packaged file holds Q4_1 matrices (and a Q8_0 embedding); kvchat runs their dequantized values. A
 BF16 or Q8_0 file written from those same values gives llama.cpp the same weights kvchat reads, so a
 comparison measures the engines, not the weights. The 3B-shaped model's files are written from the
-seeded model kvchat runs; its Q4_K file (4.5 bits a weight, the nearest llama.cpp type to kvchat's
-int4 with nested scales, 4.625) is made by llama.cpp's own quantizer from the BF16 one. Each is written
+seeded model kvchat runs; its Q4_K file (4.5 bits a weight, as kvchat's int4 with nested scales) is
+made by llama.cpp's own quantizer from the BF16 one. Each is written
 once, next to kvchat's converted model.
 """
 

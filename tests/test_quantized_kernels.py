@@ -11,7 +11,7 @@ import torch
 
 from kvchat.engine.compiled_step import has_cpp_compiler
 from kvchat.models import int4_rounding
-from kvchat.models.int4_rounding import BLOCK_GROUPS, GroupScales, NestedScales
+from kvchat.models.int4_rounding import GroupScales, NestedScales
 from kvchat.models.quantized_linears import GROUP_SIZE, Int4Linear, Int8Linear, fuse_quantized
 from kvchat.native import kernels
 
@@ -54,12 +54,11 @@ def make_layer(
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
     scales: GroupScales | NestedScales
     if nested:
-        blocks = -(-groups // BLOCK_GROUPS)
         scales = NestedScales(
             torch.randint(1, 256, (out_features, groups), generator=generator).to(torch.uint8),
             torch.randint(-127, 128, (out_features, groups), generator=generator).to(torch.int8),
-            (torch.rand(out_features, blocks, generator=generator) * 1e-4 + 1e-5).to(torch.bfloat16),
-            (torch.rand(out_features, blocks, generator=generator) * 1e-4).to(torch.bfloat16),
+            (torch.rand(out_features, generator=generator) * 1e-4 + 1e-5).to(torch.bfloat16),
+            (torch.rand(out_features, generator=generator) * 1e-4).to(torch.bfloat16),
         )
     else:
         scales = GroupScales(
@@ -222,9 +221,9 @@ def test_the_kernel_refuses_a_weight_of_another_layout() -> None:
     one_span = wide.params[:, :1].contiguous()
     with pytest.raises(RuntimeError, match="groups of 32, 64 or 128"):
         torch.ops.kvchat.int4_linear(torch.randn(1, 96), wide.packed, one_span)
-    nested, _ = make_layer(32, 320, nested=True)  # 10 groups: two blocks, not one
+    nested, _ = make_layer(32, 320, nested=True)  # 10 groups' codes, params for 9
     with pytest.raises(RuntimeError, match="nested params shape"):
-        torch.ops.kvchat.int4_linear(torch.randn(1, 320), nested.packed, nested.params[:, :1].contiguous())
+        torch.ops.kvchat.int4_linear(torch.randn(1, 320), nested.packed, nested.params[:, :-32].contiguous())
 
 
 @pytest.mark.parametrize("rows", [1, 3])

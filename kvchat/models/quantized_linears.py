@@ -3,7 +3,7 @@ them in a model).
 
 int8: one symmetric scale per output channel. int4: groups of 32, 64 or 128 inputs with a scale and a
 zero each, value = (code - 8) * scale + zero; on kvchat's kernel, groups of 32 quantized here nest their
-scales (int4_rounding.NestedScales: 4.625 bits a weight, not 5). On a CPU with AVX-512 VNNI, both run
+scales (int4_rounding.NestedScales: 4.5 bits a weight, not 5). On a CPU with AVX-512 VNNI, both run
 kvchat's own kernels (`kvchat::int8_linear`, `kvchat::int4_linear`, kvchat/native/quantized_linear.cpp):
 the input rounded to int8 per group of 32 twice (the value, then what that leaves, so within 1/65,000
 of the group's largest), integer dot products against the codes, each weight byte read once, at about

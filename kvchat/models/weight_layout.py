@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from kvchat.models.int4_rounding import BLOCK_GROUPS, GroupScales, NestedScales
+from kvchat.models.int4_rounding import GroupScales, NestedScales
 
 GROUP_SIZE = 32  # inputs per int4 scale and zero, as GGUF's Q4_0/Q4_1 blocks, and per kvchat tile-group
 TILE_ROWS = 16  # output rows per tile in kvchat's layouts
@@ -37,21 +36,19 @@ def tile_int4(codes: torch.Tensor) -> torch.Tensor:
 
 def tile_params(params: GroupScales | NestedScales) -> torch.Tensor:
     """int4 scales as kvchat's kernel reads them. A bf16 scale and zero a group of G inputs:
-    (N/16, K/G, 2, 16) bf16. Nested: (N/16, blocks, 320) uint8, per tile and block of 8 groups the 16
-    rows' bf16 block scales and block lows, then each group's 16 scale codes and 16 low codes (a short
-    last block padded)."""
+    (N/16, K/G, 2, 16) bf16. Nested: (N/16, 64 + K) uint8, per tile the 16 rows' bf16 row scales and
+    row lows, then each group's 16 scale codes and 16 low codes."""
     if isinstance(params, GroupScales):
         rows, groups = params.scales.shape
         both = torch.stack([params.scales, params.zeros]).reshape(2, rows // TILE_ROWS, TILE_ROWS, groups)
         return both.permute(1, 3, 0, 2).contiguous()
     rows, groups = params.scale_codes.shape
-    tiles, blocks = rows // TILE_ROWS, params.block_scales.shape[1]
+    tiles = rows // TILE_ROWS
     codes = torch.stack([params.scale_codes, params.low_codes.view(torch.uint8)])  # (2, N, n)
-    codes = F.pad(codes, (0, blocks * BLOCK_GROUPS - groups))
-    codes = codes.reshape(2, tiles, TILE_ROWS, blocks, BLOCK_GROUPS).permute(1, 3, 4, 0, 2)
-    heads = torch.stack([params.block_scales, params.block_lows]).reshape(2, tiles, TILE_ROWS, blocks)
-    heads = heads.permute(1, 3, 0, 2).contiguous().view(torch.uint8)  # (tile, block, 2, 32)
-    return torch.cat([heads.reshape(tiles, blocks, -1), codes.reshape(tiles, blocks, -1)], -1).contiguous()
+    codes = codes.reshape(2, tiles, TILE_ROWS, groups).permute(1, 3, 0, 2)  # (tile, group, 2, 16)
+    heads = torch.stack([params.row_scales, params.row_lows]).reshape(2, tiles, TILE_ROWS)
+    heads = heads.permute(1, 0, 2).contiguous().view(torch.uint8)  # (tile, 64)
+    return torch.cat([heads.reshape(tiles, -1), codes.reshape(tiles, -1)], -1).contiguous()
 
 
 def untile_params(tiled: torch.Tensor, groups: int) -> GroupScales | NestedScales:
@@ -60,13 +57,13 @@ def untile_params(tiled: torch.Tensor, groups: int) -> GroupScales | NestedScale
         tiles, spans = tiled.shape[:2]
         scales, zeros = tiled.permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, spans)
         return GroupScales(scales, zeros)
-    tiles, blocks, _ = tiled.shape
+    tiles = tiled.shape[0]
     head_bytes = 4 * TILE_ROWS
-    heads = tiled[..., :head_bytes].contiguous().view(torch.bfloat16).reshape(tiles, blocks, 2, TILE_ROWS)
-    block_scales, block_lows = heads.permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, blocks)
-    codes = tiled[..., head_bytes:].reshape(tiles, blocks, BLOCK_GROUPS, 2, TILE_ROWS)
-    codes = codes.permute(3, 0, 4, 1, 2).reshape(2, tiles * TILE_ROWS, blocks * BLOCK_GROUPS)[..., :groups]
-    return NestedScales(codes[0], codes[1].contiguous().view(torch.int8), block_scales, block_lows)
+    heads = tiled[:, :head_bytes].contiguous().view(torch.bfloat16).reshape(tiles, 2, TILE_ROWS)
+    row_scales, row_lows = heads.permute(1, 0, 2).reshape(2, tiles * TILE_ROWS)
+    codes = tiled[:, head_bytes:].reshape(tiles, groups, 2, TILE_ROWS)
+    codes = codes.permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, groups)
+    return NestedScales(codes[0], codes[1].contiguous().view(torch.int8), row_scales, row_lows)
 
 
 def tile_int8(codes: torch.Tensor) -> torch.Tensor:

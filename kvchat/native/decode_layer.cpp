@@ -198,7 +198,7 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& keys, const
 
 // A linear layer as decoder_layers is given it, weights (a, b) and a bias, by its kind:
 //   bf16 tiles (N/16, K/2, 32), b None: kvchat::bf16_linear, the residual added inside;
-//   uint8 codes with bf16 params (N/16, K/32, 2, 16) or nested ones (N/16, blocks, 320):
+//   uint8 codes with bf16 params (N/16, K/32, 2, 16) or nested ones (N/16, 64 + K):
 //   kvchat::int4_linear;
 //   uint8 codes with bf16 scales (N,): kvchat::int8_linear;
 //   a plain weight (N, K) of x's dtype, b None: at::linear.

@@ -20,10 +20,10 @@
 //   carries the zeros:
 //   out[r] = sum over spans of  scale * sum over its groups of dx / 256 * sum(code * (256 xq + xr))
 //                               + (zero - 8 scale) * sum(x).
-//   Or nested (4.625 bits a weight where the above is 5): each tile's groups of 32 in blocks of 8, each
-//   block 320 bytes: 16 bf16 block scales, 16 bf16 block lows, then per group 16 uint8 scale codes and
-//   16 int8 low codes. A group's scale is its code times the block scale, its low (the value of code 0)
-//   its code times the block low; the weight is code * scale + low.
+//   Or nested (4.5 bits a weight where the above is 5): each tile's params in one run of bytes, its
+//   head (16 bf16 row scales, 16 bf16 row lows), then per group 16 uint8 scale codes and 16 int8 low
+//   codes. A group's scale is its code times its row's scale, its low (the value of code 0) its code
+//   times the row's low; the weight is code * scale + low.
 // int8: a tile-group is 512 bytes, eight 64-byte blocks: block j's byte 4r + i holds row r's code for
 //   input 4j + i, plus 128 (vpdpbusd multiplies unsigned bytes by signed ones); one bf16 scale per row.
 //   out[r] = scale * sum over groups of  dx / 256 * (sum(u * (256 xq + xr)) - 128 * sum(256 xq + xr)).
@@ -57,9 +57,8 @@ namespace {
 constexpr int64_t kRows = 16;                      // output rows a tile
 constexpr int64_t kGroup = 32;                     // inputs per scale and zero
 constexpr int64_t kCodeBytes = kRows * kGroup / 2;  // an int4 tile-group's codes
-constexpr int64_t kBlockGroups = 8;                // groups per block of nested int4 params
-constexpr int64_t kBlockHead = 2 * kRows * 2;      // a block's bf16 scales and lows
-constexpr int64_t kBlockBytes = kBlockHead + kBlockGroups * 2 * kRows;  // and its groups' codes
+constexpr int64_t kNestedHead = 2 * kRows * 2;     // a nested tile's bf16 row scales and lows
+constexpr int64_t kNestedGroup = 2 * kRows;         // and each group's scale and low codes
 constexpr int64_t kByteCodes = kRows * kGroup;      // an int8 tile-group's codes
 constexpr int64_t kBatch = 4;                      // input rows a pass over a tile
 // groups ahead to prefetch the codes of into L1, for several input rows (past the end: prefetches never
@@ -220,12 +219,12 @@ struct SpanParams {
   explicit SpanParams(const uint16_t* param)
       : scale(widen_bf16(param)), offset(_mm512_fmadd_ps(_mm512_set1_ps(-8.0f), scale, widen_bf16(param + kRows))) {}
 
-  // a nested group's codes (16 scale codes, 16 low codes) times its block's scales and lows
-  SpanParams(const uint8_t* group, __m512 block_scale, __m512 block_low) {
+  // a nested group's codes (16 scale codes, 16 low codes) times its rows' scales and lows
+  SpanParams(const uint8_t* group, __m512 row_scale, __m512 row_low) {
     const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group));
     const __m128i lows = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + kRows));
-    scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scales)), block_scale);
-    offset = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lows)), block_low);
+    scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scales)), row_scale);
+    offset = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lows)), row_low);
   }
 
   // acc plus the span's dot products (already at their input scales) times the scales, and the offsets
@@ -236,7 +235,7 @@ struct SpanParams {
 };
 
 // Where an int4 layer's params are, by tile and span, from its first tile on: bf16 scales and zeros
-// per span, or nested blocks (spans of one group).
+// per span, or nested ones (spans of one group).
 struct PlainParams {
   static constexpr bool kNested = false;
   const uint16_t* p;
@@ -252,36 +251,33 @@ struct PlainParams {
 struct NestedParams {
   static constexpr bool kNested = true;
   const uint8_t* p;
-  int64_t blocks;  // a tile's
+  int64_t groups;  // a tile's
 
-  const uint8_t* block(int64_t tile, int64_t group) const {
-    return p + (tile * blocks + group / kBlockGroups) * kBlockBytes;
-  }
+  const uint8_t* tile_head(int64_t tile) const { return p + tile * (kNestedHead + groups * kNestedGroup); }
   const uint8_t* group_codes(int64_t tile, int64_t group) const {
-    return block(tile, group) + kBlockHead + group % kBlockGroups * 2 * kRows;
+    return tile_head(tile) + kNestedHead + group * kNestedGroup;
   }
-  NestedParams from(int64_t tile) const { return {p + tile * blocks * kBlockBytes, blocks}; }
+  NestedParams from(int64_t tile) const { return {tile_head(tile), groups}; }
   SpanParams at(int64_t tile, int64_t group) const {
-    const uint16_t* head = reinterpret_cast<const uint16_t*>(block(tile, group));
+    const uint16_t* head = reinterpret_cast<const uint16_t*>(tile_head(tile));
     return SpanParams(group_codes(tile, group), widen_bf16(head), widen_bf16(head + kRows));
   }
-  // the block's scales and lows widened to fp32 into `head` (32 floats), then each group's from them
-  void widen_head(int64_t tile, int64_t group, float* head) const {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(block(tile, group));
+  // the tile's row scales and lows widened to fp32 into `head` (32 floats)
+  void widen_head(int64_t tile, float* head) const {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(tile_head(tile));
     _mm512_store_ps(head, widen_bf16(h));
     _mm512_store_ps(head + kRows, widen_bf16(h + kRows));
   }
   void prefetch(int64_t tile, int64_t group) const {
-    const uint8_t* b = block(tile, group);
-    if (group % kBlockGroups == 0) _mm_prefetch(reinterpret_cast<const char*>(b), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockHead + group % kBlockGroups * 2 * kRows), _MM_HINT_T0);
+    if (group == 0) _mm_prefetch(reinterpret_cast<const char*>(tile_head(tile)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(group_codes(tile, group)), _MM_HINT_T0);
   }
 };
 
-// Nested params a block at a time: each group's dot products times its scale codes, and its input sum
-// times its low codes, summed over the block, then times the block's scales and lows once (two
-// products a group fewer than each group's scale and low made whole).
-struct BlockSums {
+// Nested params a row at a time: each group's dot products times its scale codes, and its input sum
+// times its low codes, summed over the row, then times the rows' scales and lows once (two products a
+// group fewer than each group's scale and low made whole).
+struct RowSums {
   __m512 scaled = _mm512_setzero_ps(), lowered = _mm512_setzero_ps();
 
   void add(const uint8_t* group, __m512 dots, float sum) {
@@ -290,17 +286,11 @@ struct BlockSums {
     scaled = _mm512_fmadd_ps(dots, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scales)), scaled);
     lowered = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lows)), _mm512_set1_ps(sum), lowered);
   }
-  // acc plus the block's sums times its scales and lows (`head`: 16 scales, then 16 lows, fp32)
-  __m512 finish(__m512 acc, const float* head) {
-    acc = _mm512_fmadd_ps(lowered, _mm512_load_ps(head + kRows), _mm512_fmadd_ps(scaled, _mm512_load_ps(head), acc));
-    scaled = lowered = _mm512_setzero_ps();
-    return acc;
+  // the sums times the rows' scales and lows (`head`: 16 scales, then 16 lows, fp32)
+  __m512 finish(const float* head) const {
+    return _mm512_fmadd_ps(lowered, _mm512_load_ps(head + kRows), _mm512_mul_ps(scaled, _mm512_load_ps(head)));
   }
 };
-
-inline bool ends_block(int64_t group, int64_t groups) {
-  return group % kBlockGroups == kBlockGroups - 1 || group == groups - 1;
-}
 
 // B input rows against one int4 tile of 16 output rows: out[b * out_stride + r]. Each scale and zero
 // serves S consecutive groups of 32 inputs (a group of 32 S): their dot products are summed in fp32,
@@ -311,8 +301,7 @@ void int4_tile(const uint8_t* codes, const Params& params, int64_t groups, const
   const InputRows rows(x, first_row);
   __m512 acc[B];
   for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
-  BlockSums block[Params::kNested ? B : 1];
-  alignas(64) float head[2 * kRows];  // nested: the block's scales and lows, in fp32
+  RowSums nested[Params::kNested ? B : 1];
   for (int64_t span = 0; span < groups / S; ++span) {
     __m512 dots[B];
     float sums[B];
@@ -329,14 +318,16 @@ void int4_tile(const uint8_t* codes, const Params& params, int64_t groups, const
       }
     }
     if constexpr (Params::kNested) {
-      if (span % kBlockGroups == 0) params.widen_head(0, span, head);
-      for (int b = 0; b < B; ++b) block[b].add(params.group_codes(0, span), dots[b], sums[b]);
-      if (ends_block(span, groups))
-        for (int b = 0; b < B; ++b) acc[b] = block[b].finish(acc[b], head);
+      for (int b = 0; b < B; ++b) nested[b].add(params.group_codes(0, span), dots[b], sums[b]);
     } else {
       const SpanParams param = params.at(0, span);
       for (int b = 0; b < B; ++b) acc[b] = param.add(acc[b], dots[b], sums[b]);
     }
+  }
+  if constexpr (Params::kNested) {
+    alignas(64) float head[2 * kRows];
+    params.widen_head(0, head);
+    for (int b = 0; b < B; ++b) acc[b] = nested[b].finish(head);
   }
   for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + b * out_stride, acc[b]);
 }
@@ -347,11 +338,11 @@ void int4_tile(const uint8_t* codes, const Params& params, int64_t groups, const
 // eight tiles at once read Qwen2.5-3B's and SmolLM2's int4 weights at 0.97-1.0x the pace of the bf16
 // kernel's streams, where one tile at a time (prefetched 32 groups ahead into L2) read at 0.89x;
 // int4-g128's at 0.92x (0.85x). Into L2 instead: 2-4% slower; 2 or 4 tiles at once: 3-15% slower;
-// 16: 5%. Nested params: each tile's block scales and lows widened once a block, not once a group
-// (1.05-1.09x kernel only against bf16 params, at 8% fewer bytes; 1.05-1.08x widened each group).
-// The high nibbles masked in place (int4_group_dot) and nested params summed a block at a time
-// (BlockSums), ~10% fewer instructions: 1.01-1.02x kernel only (the variants in rotated order, 15
-// rounds), so the loop is not bound by its instructions alone.
+// 16: 5%. Nested params with factors per 8 groups: 1.05-1.09x kernel only against bf16 params, at 8%
+// fewer bytes; factors per row take 2.3% fewer bytes a 3B token again. The high nibbles masked in place
+// (int4_group_dot) and nested params summed before their factors, ~10% fewer instructions: 1.01-1.02x
+// kernel only (the variants in rotated order, 15 rounds), so the loop is not bound by its instructions
+// alone.
 template <int T, int S, typename Params>
 void int4_row_tiles(const uint8_t* codes, const Params& params, int64_t groups, const QuantizedInput& x,
                     float* out) {
@@ -359,12 +350,8 @@ void int4_row_tiles(const uint8_t* codes, const Params& params, int64_t groups, 
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   const int64_t spans = groups / S, span_ahead = kInt4StreamAhead / S;
-  alignas(64) float heads[Params::kNested ? T : 1][2 * kRows];  // nested: each tile's block, in fp32
-  BlockSums block[Params::kNested ? T : 1];
+  RowSums nested[Params::kNested ? T : 1];
   for (int64_t span = 0; span < spans; ++span) {
-    if constexpr (Params::kNested)
-      if (span % kBlockGroups == 0)
-        for (int t = 0; t < T; ++t) params.widen_head(t, span, heads[t]);
     __m512 dots[T];
     float sum = 0.0f;
     for (int s = 0; s < S; ++s) {
@@ -386,11 +373,17 @@ void int4_row_tiles(const uint8_t* codes, const Params& params, int64_t groups, 
     for (int t = 0; t < T; ++t) {
       params.prefetch(t + next_tile, next_span);
       if constexpr (Params::kNested) {
-        block[t].add(params.group_codes(t, span), dots[t], sum);
-        if (ends_block(span, spans)) acc[t] = block[t].finish(acc[t], heads[t]);
+        nested[t].add(params.group_codes(t, span), dots[t], sum);
       } else {
         acc[t] = params.at(t, span).add(acc[t], dots[t], sum);
       }
+    }
+  }
+  if constexpr (Params::kNested) {
+    alignas(64) float head[2 * kRows];
+    for (int t = 0; t < T; ++t) {
+      params.widen_head(t, head);
+      acc[t] = nested[t].finish(head);
     }
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
@@ -601,18 +594,17 @@ bool amx_serves(const at::Tensor& x) {
 
 // The groups of 32 inputs each scale and zero serves: 1, 2 or 4 (groups of 32, 64 or 128); 1 where nested.
 int64_t check_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && (params.dim() == 4 || params.dim() == 3),
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && (params.dim() == 4 || params.dim() == 2),
               "int4_linear: x (M, K), codes (N/16, K/32, 256), params (N/16, K/(32 S), 2, 16) bf16 or nested "
-              "(N/16, K/256 rounded up, 320) uint8");
+              "(N/16, 64 + K) uint8");
   TORCH_CHECK(codes.scalar_type() == at::kByte &&
                   params.scalar_type() == (params.dim() == 4 ? at::kBFloat16 : at::kByte),
               "int4_linear: uint8 codes, and bf16 params or uint8 nested ones");
   TORCH_CHECK(codes.is_contiguous() && params.is_contiguous(), "int4_linear: contiguous weights");
   const int64_t tiles = codes.size(0), groups = codes.size(1);
   TORCH_CHECK(codes.size(2) == kCodeBytes && x.size(1) == groups * kGroup, "int4_linear: shapes");
-  if (params.dim() == 3) {
-    TORCH_CHECK(params.size(0) == tiles && params.size(1) == (groups + kBlockGroups - 1) / kBlockGroups &&
-                    params.size(2) == kBlockBytes,
+  if (params.dim() == 2) {
+    TORCH_CHECK(params.size(0) == tiles && params.size(1) == kNestedHead + groups * kNestedGroup,
                 "int4_linear: nested params shape");
     return 1;
   }
@@ -641,7 +633,7 @@ at::Tensor int4_spans(const at::Tensor& x, const at::Tensor& codes, const Params
 // The params as int4_spans and the AMX path take them: f(spans a tile, params).
 template <typename F>
 at::Tensor with_params(const at::Tensor& params, int64_t groups, F&& f) {
-  if (params.dim() == 3) return f(groups, NestedParams{params.data_ptr<uint8_t>(), params.size(1)});
+  if (params.dim() == 2) return f(groups, NestedParams{params.data_ptr<uint8_t>(), groups});
   return f(params.size(1), PlainParams{reinterpret_cast<const uint16_t*>(params.data_ptr<at::BFloat16>()),
                                        params.size(1)});
 }
