@@ -258,15 +258,13 @@ struct NestedParams {
     return tile_head(tile) + kNestedHead + group * kNestedGroup;
   }
   NestedParams from(int64_t tile) const { return {tile_head(tile), groups}; }
-  SpanParams at(int64_t tile, int64_t group) const {
-    const uint16_t* head = reinterpret_cast<const uint16_t*>(tile_head(tile));
-    return SpanParams(group_codes(tile, group), widen_bf16(head), widen_bf16(head + kRows));
+  // the tile's 16 row scales and 16 row lows, in fp32
+  __m512 row_scales(int64_t tile) const { return widen_bf16(reinterpret_cast<const uint16_t*>(tile_head(tile))); }
+  __m512 row_lows(int64_t tile) const {
+    return widen_bf16(reinterpret_cast<const uint16_t*>(tile_head(tile)) + kRows);
   }
-  // the tile's row scales and lows widened to fp32 into `head` (32 floats)
-  void widen_head(int64_t tile, float* head) const {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(tile_head(tile));
-    _mm512_store_ps(head, widen_bf16(h));
-    _mm512_store_ps(head + kRows, widen_bf16(h + kRows));
+  SpanParams at(int64_t tile, int64_t group) const {
+    return SpanParams(group_codes(tile, group), row_scales(tile), row_lows(tile));
   }
   void prefetch(int64_t tile, int64_t group) const {
     if (group == 0) _mm_prefetch(reinterpret_cast<const char*>(tile_head(tile)), _MM_HINT_T0);
@@ -286,9 +284,9 @@ struct RowSums {
     scaled = _mm512_fmadd_ps(dots, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scales)), scaled);
     lowered = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lows)), _mm512_set1_ps(sum), lowered);
   }
-  // the sums times the rows' scales and lows (`head`: 16 scales, then 16 lows, fp32)
-  __m512 finish(const float* head) const {
-    return _mm512_fmadd_ps(lowered, _mm512_load_ps(head + kRows), _mm512_mul_ps(scaled, _mm512_load_ps(head)));
+  // the sums times the rows' scales and lows
+  __m512 finish(__m512 row_scales, __m512 row_lows) const {
+    return _mm512_fmadd_ps(lowered, row_lows, _mm512_mul_ps(scaled, row_scales));
   }
 };
 
@@ -324,11 +322,8 @@ void int4_tile(const uint8_t* codes, const Params& params, int64_t groups, const
       for (int b = 0; b < B; ++b) acc[b] = param.add(acc[b], dots[b], sums[b]);
     }
   }
-  if constexpr (Params::kNested) {
-    alignas(64) float head[2 * kRows];
-    params.widen_head(0, head);
-    for (int b = 0; b < B; ++b) acc[b] = nested[b].finish(head);
-  }
+  if constexpr (Params::kNested)
+    for (int b = 0; b < B; ++b) acc[b] = nested[b].finish(params.row_scales(0), params.row_lows(0));
   for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + b * out_stride, acc[b]);
 }
 
@@ -379,13 +374,8 @@ void int4_row_tiles(const uint8_t* codes, const Params& params, int64_t groups, 
       }
     }
   }
-  if constexpr (Params::kNested) {
-    alignas(64) float head[2 * kRows];
-    for (int t = 0; t < T; ++t) {
-      params.widen_head(t, head);
-      acc[t] = nested[t].finish(head);
-    }
-  }
+  if constexpr (Params::kNested)
+    for (int t = 0; t < T; ++t) acc[t] = nested[t].finish(params.row_scales(t), params.row_lows(t));
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
 }
 
