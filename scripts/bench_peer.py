@@ -6,8 +6,9 @@ side in one run, one thread, greedy, the variants taking turns:
 
 Variants: kvchat-<bf16|fp32>[-int8|-int4|-int4-g128][-compiled][-spec] (a quantized kind needs
 kvchat.models.quantize; -compiled decodes through the compiled graph, --compile; -spec drafts by prompt
-lookup) and llama-<BF16|Q8_0|Q4_1> (GGUF files of the packaged weights, scripts/peer_gguf.py; for big,
-llama-Q4_K too). Parts: decode (tok/s and weight GB/s after ~50 and ~4,000 tokens of context, a
+lookup; for big, kvchat-bf16-int4-head-int8 too: the output layer int8, not rescored) and
+llama-<BF16|Q8_0|Q4_1> (GGUF files of the packaged weights, scripts/peer_gguf.py; for big, llama-Q4_K
+too). Parts: decode (tok/s and weight GB/s after ~50 and ~4,000 tokens of context, a
 free-writing and a copying prompt), ttft (cold, ~2,000 tokens; turn 2 reusing the first turn), bandwidth
 (one-thread read of 256 MB), big (a random-weight model shaped as Qwen2.5-3B: kvchat's bf16 and the
 quantized kinds asked for, and llama.cpp's types asked for, on GGUF files of the same weights, written
@@ -146,8 +147,8 @@ def run_ttft(runners: dict[str, Runner], tokenizer, args) -> None:
     )
 
 
-BIG_KINDS = ("bf16", "bf16-int8", "bf16-int4", "bf16-int4-g128", "bf16-compiled", "bf16-int8-compiled",
-             "bf16-int4-compiled")  # fmt: skip
+BIG_KINDS = ("bf16", "bf16-int8", "bf16-int4", "bf16-int4-head-int8", "bf16-int4-g128", "bf16-compiled",
+             "bf16-int8-compiled", "bf16-int4-compiled")  # fmt: skip
 # llama.cpp's type of a kind's bytes: int4 quantized anew nests its scales, 4.5 bits a weight as Q4_K
 # (Q4_1: 5, as int4 on a Q4_1 file's own values)
 SAME_BYTES = {"bf16": "BF16", "bf16-int8": "Q8_0", "bf16-int4": "Q4_K"}

@@ -40,6 +40,7 @@ from kvchat.models.packaged import ensure_converted, packaged_gguf
 from kvchat.models.progress import quiet_transformers
 from kvchat.models.quantize import quantize_model
 from kvchat.models.quantized_linears import Int4Linear, Int8Linear
+from kvchat.models.rescored_head import RescoredHead
 
 TEXT = RHINE + (
     " Further south, the river forms the border between Germany and France for almost two hundred "
@@ -82,10 +83,13 @@ def quality(args: argparse.Namespace) -> None:
         "int8": variant(bf16, "int8"),
         "int8, head bf16": variant(bf16, "int8", head="none"),
         "int4 (file)": variant(bf16, "int4", from_file=file_layers(bf16)),
+        "int4 (file), head int8": variant(bf16, "int4", head="int8", from_file=file_layers(bf16)),
         "int4 (file), head bf16": variant(bf16, "int4", head="none", from_file=file_layers(bf16)),
         "int4 (file), head int4": variant(bf16, "int4", head="int4", from_file=file_layers(bf16)),
         "int4 (requant)": variant(bf16, "int4"),
+        "int4 (requant), head int8": variant(bf16, "int4", head="int8"),
         "int4-g128": variant(bf16, "int4-g128"),
+        "int4-g128, head int8": variant(bf16, "int4-g128", head="int8"),
         "int4-g128, head int4-g128": variant(bf16, "int4-g128", head="int4-g128"),
     }
     ids = torch.tensor([tokenizer.encode(TEXT)[: args.tokens]])  # (1, T)
@@ -97,12 +101,20 @@ def quality(args: argparse.Namespace) -> None:
         print("|---|---:|---:|---:|")
         print(f"| none, fp32 | 0 | 100% | {perplexity(log_p, targets):.3f} |")
         for name, model in variants.items():
-            log_q = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)  # (T-1, V)
+            log_q = decode_log_probs(model, ids)  # (T-1, V)
             kl = float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
             top1 = float((log_p.argmax(-1) == log_q.argmax(-1)).float().mean())
             print(f"| {name} | {kl:.4f} | {top1:.1%} | {perplexity(log_q, targets):.3f} |")
 
     fresh_groups(fp32, ids[0], log_p)
+
+
+def decode_log_probs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """(T-1, V): the next-token log-probabilities of `ids` (1, T), the decoder run over all of it at once,
+    the output layer one position at a time, as decode runs it (a RescoredHead given many positions at
+    once computes them all exactly)."""
+    hidden = model.model(input_ids=ids).last_hidden_state[0, :-1]  # (T-1, d)
+    return torch.cat([model.lm_head(row[None]) for row in hidden]).float().log_softmax(-1)
 
 
 def fresh_groups(model: nn.Module, ids: torch.Tensor, log_p: torch.Tensor) -> None:
@@ -157,7 +169,8 @@ def perplexity(log_probs: torch.Tensor, targets: torch.Tensor) -> float:
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:
-    """Bytes of weights one decode step reads: all but the embedding (one row), the output layer included."""
+    """Bytes of weights one decode step reads: all but the embedding (one row), the output layer included
+    (a rescored one: its int4 weight and the rows it reads again)."""
     embedding = model.get_input_embeddings().weight
     seen = {id(embedding)}
     total = 0
@@ -166,7 +179,9 @@ def weight_bytes_per_token(model: nn.Module) -> int:
             seen.add(id(tensor))
             total += tensor.nbytes
     head = model.get_output_embeddings()
-    if isinstance(head, nn.Linear) and head.weight is embedding:
+    if isinstance(head, RescoredHead):
+        total += head.exact_bytes
+    elif isinstance(head, nn.Linear) and head.weight is embedding:
         total += embedding.nbytes
     return total
 

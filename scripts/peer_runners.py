@@ -19,6 +19,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationStep, generate
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import Speculation
+from kvchat.models.rescored_head import RescoredHead
 from kvchat.settings_schema import DecodeSettings
 
 
@@ -31,12 +32,14 @@ class Runner(Protocol):
 
 
 def apply_kind(model, kind: str):
-    """`kind` is <dtype>[-int8|-int4][-compiled]: quantize with kvchat.models.quantize where it asks to."""
+    """`kind` is <dtype>[-int8|-int4[-head-<format>]][-compiled]: quantize with kvchat.models.quantize
+    where it asks to, the output layer in <format> where named (else as --quantize does)."""
     _, _, mode = kind.removesuffix("-compiled").partition("-")
+    mode, _, head = mode.partition("-head-")
     if mode:
         from kvchat.models.quantize import quantize_model  # the --quantize option, where it exists
 
-        quantize_model(model, mode)
+        quantize_model(model, mode, head_mode=head or None)
     return model.eval()
 
 
@@ -72,7 +75,8 @@ def make_big_model(kind: str, device: str = "cpu"):
 def model_bytes(model) -> int:
     """Bytes a decode step reads: every weight but the input embedding (one row a token), which counts
     only where it is the output layer too (tied); a packed linear's as the bf16 matrix it holds; a
-    tiled one's once where it keeps its weight too (for --compile's graph)."""
+    tiled one's once where it keeps its weight too (for --compile's graph); of a rescored output layer,
+    its int4 weight and the rows it reads again."""
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     twice = {
@@ -83,7 +87,9 @@ def model_bytes(model) -> int:
         for t in [*model.parameters(), *model.buffers()]
         if t is not embedding and t.data_ptr() not in twice
     }
-    if getattr(head, "weight", None) is embedding:
+    if isinstance(head, RescoredHead):
+        tensors[embedding.data_ptr()] = head.exact_bytes
+    elif getattr(head, "weight", None) is embedding:
         tensors[embedding.data_ptr()] = embedding.nbytes
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     return sum(tensors.values()) + sum(2 * m.in_features * m.out_features for m in packed)

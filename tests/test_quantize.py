@@ -169,7 +169,7 @@ def test_packaged_smollm2_in_int4_runs_on_its_own_q4_1_values() -> None:
     int4 = load_model(ModelSettings(dtype="bf16", device="cpu", threads=1, quantize="int4"))
     report = int4.quantization
     assert report is not None and len(report.kept_from_file) == 30 * 7 and not report.refused
-    assert report.quantized == ["lm_head"]  # tied to the Q8_0 embedding: int8 from its values
+    assert report.quantized == report.rescored == ["lm_head"]  # tied to the Q8_0 embedding
     assert int4.fingerprint != plain.fingerprint  # KV saved by one is refused by the other
     tokenizer = int4.tokenizer
     # not "What is the capital of France?": its first token is a tie between "The" and "L" (one bf16
@@ -262,11 +262,11 @@ def test_info_says_how_the_weights_are_stored_and_whose_kernels_run_them() -> No
     assert describe_quantization(bf16) == (
         "none (bf16 on kvchat and oneDNN's kernels)" if tiled else "none (bf16 on oneDNN's kernel)"
     )
-    quantize_model(model, "int4")  # its output layer int8
+    quantize_model(model, "int4", head_mode="int8")
     assert describe_quantization(model) == f"int4 ({ours}'s kernels)"
     coarse = make_tiny_model("llama", dtype=torch.bfloat16)
     quantize_model(coarse, "int4-g128")  # groups of 64 where 128 does not divide the inputs
-    assert describe_quantization(coarse) == f"int4-g128 ({ours}'s kernels)"
+    assert describe_quantization(coarse) == f"int4-g128 ({ours}'s kernels, the output layer rescored)"
     int8 = make_tiny_model("llama", dtype=torch.bfloat16)
     quantize_model(int8, "int8")
     int8.lm_head = Int8Linear.from_linear(nn.Linear(64, 512), "torch")

@@ -77,9 +77,11 @@ def model_info(
 def describe_quantization(model: Any) -> str:
     """How the linear weights are stored and whose kernels run them: "none", "none (bf16 on kvchat's
     kernel)", "int4 (kvchat's kernels)", "int4-g128 (kvchat's kernels)", "int8 (torch's kernels)", ...
-    (an int4 model's int8 output layer counts as int4's)."""
+    (an int4 model's int8 output layer counts as int4's), and "the output layer rescored" where it is a
+    RescoredHead."""
     from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
     from kvchat.models.quantized_linears import Int4Linear, Int8Linear
+    from kvchat.models.rescored_head import RescoredHead
 
     layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
     if not layers:
@@ -92,7 +94,8 @@ def describe_quantization(model: Any) -> str:
     groups = {m.group_size for m in layers if isinstance(m, Int4Linear)}
     mode = ("int4" if groups == {32} else f"int4-g{max(groups)}") if groups else "int8"
     owners = " and ".join(sorted({m.kernel for m in layers}))
-    return f"{mode} ({owners}'s kernels)"
+    rescored = any(isinstance(m, RescoredHead) for m in model.modules())
+    return f"{mode} ({owners}'s kernels{', the output layer rescored' if rescored else ''})"
 
 
 def num_weights(model: Any) -> int:
@@ -103,10 +106,11 @@ def num_weights(model: Any) -> int:
     total = sum(p.numel() for p in model.parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    outputs = (output, getattr(output, "coarse", None))  # a RescoredHead's int4 layer is the output layer
     for module in model.modules():
         if isinstance(getattr(module, "weight", None), nn.Parameter) or not hasattr(module, "out_features"):
             continue
-        if not (tied and module is output):
+        if not (tied and any(module is o for o in outputs)):
             total += module.in_features * module.out_features
     return total
 

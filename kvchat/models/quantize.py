@@ -12,9 +12,13 @@ from torch import nn
 
 from kvchat.errors import ModelLoadError
 from kvchat.models.quantized_linears import INT4_GROUP_SIZES, Int4Linear, Int8Linear
+from kvchat.models.rescored_head import RescoredHead
 from kvchat.settings_schema import all_settings
 
 QUANTIZE_MODES = all_settings()["model.quantize"].spec.choices  # declared once, with the setting
+# The output layer's formats: a mode's, or "rescored" (RescoredHead: the int4 mode's layer, its highest
+# logits computed again from the embedding it is tied to).
+HEAD_MODES = (*QUANTIZE_MODES, "rescored")
 # The int4 modes' inputs per scale and zero: 32 as GGUF's Q4_0/Q4_1 (5 bits a weight), or 128 (4.25).
 INT4_GROUPS = {"int4": 32, "int4-g128": 128}
 # The aten ops each mode runs on each device type (torch >= 2.6 has the CPU int4 ones).
@@ -37,6 +41,7 @@ class QuantizeReport:
     quantized: list[str] = field(default_factory=list)
     kept_from_file: list[str] = field(default_factory=list)  # values taken as they are from a GGUF
     nested: list[str] = field(default_factory=list)  # int4 layers whose scales are nested
+    rescored: list[str] = field(default_factory=list)  # output layers run as a RescoredHead
     refused: list[str] = field(default_factory=list)  # shapes the kernel cannot take: left as they were
 
     @property
@@ -55,21 +60,29 @@ def quantize_model(
     in groups of 32 inputs, or of 128 for "int4-g128" (of 64 or 32 where 128 does not divide a layer's
     inputs, as SmolLM2's 576).
 
-    The output layer is quantized as `head_mode` says, by default int8 for both modes: in int4 it
-    costs 50x the KL of all other layers together on SmolLM2 (scripts/README.md, Quantization).
+    The output layer is quantized as `head_mode` says. By default, under the int4 modes, an output
+    layer tied to the embedding is "rescored" (a RescoredHead in the mode's groups), and any other is
+    int8: plain int4 costs 50x the KL of all other layers together on SmolLM2 (scripts/README.md,
+    Quantization).
     `from_file` may supply a ready layer for a name under "int4" (a GGUF's own 4-bit values, in
     groups of 32); the others are quantized from their weights. Layers of shapes the kernel cannot
     take stay as they are, listed in the report. `progress(done, total)` hears of each layer."""
-    for value in (mode, head_mode):
-        if value is not None and value not in QUANTIZE_MODES:
-            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {value!r}")
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {mode!r}")
+    if head_mode is not None and head_mode not in HEAD_MODES:
+        raise ValueError(f"the output layer's mode must be one of {', '.join(HEAD_MODES)}, got {head_mode!r}")
     report = QuantizeReport(mode)
     if mode == "none":
         return report
-    device = next(model.parameters()).device
-    for layer_mode in {mode, head_mode or "int8"} - {"none"}:
-        require_kernels(layer_mode, device)
     head = _output_layer(model)
+    tied = _is_tied(model, head)
+    if head_mode is None:
+        head_mode = "rescored" if mode in INT4_GROUPS and tied else "int8"
+    if head_mode == "rescored" and not (mode in INT4_GROUPS and tied):
+        raise ValueError("a rescored output layer needs an int4 mode and a layer tied to the embedding")
+    device = next(model.parameters()).device
+    for layer_mode in {mode, mode if head_mode == "rescored" else head_mode} - {"none"}:
+        require_kernels(layer_mode, device)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     head_name = next((n for n in names if model.get_submodule(n) is head), None)
     del head
@@ -79,7 +92,8 @@ def quantize_model(
             progress(done, len(names))
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear)
-        layer_mode = (head_mode or "int8") if name == head_name else mode
+        rescored = name == head_name and head_mode == "rescored"
+        layer_mode = (mode if rescored else head_mode) if name == head_name else mode
         if layer_mode == "none":
             continue
         try:
@@ -100,6 +114,9 @@ def quantize_model(
         outcome.append(name)
         if getattr(replacement, "nested", False):
             report.nested.append(name)
+        if rescored:
+            replacement = RescoredHead(replacement, linear.weight)
+            report.rescored.append(name)
         _set_submodule(model, name, replacement)
     if progress is not None:
         progress(len(names), len(names))
@@ -128,6 +145,14 @@ def require_kernels(mode: str, device: torch.device) -> None:
 def _output_layer(model: nn.Module) -> nn.Module | None:
     get = getattr(model, "get_output_embeddings", None)
     return get() if callable(get) else None
+
+
+def _is_tied(model: nn.Module, head: nn.Module | None) -> bool:
+    """Whether the output layer's weight is the input embedding's (the same tensor)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    return weight is not None and weight is getattr(embedding, "weight", None)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -25,10 +25,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from kvchat.models import gguf_quant, int4_rounding, quantize, quantized_linears, weight_layout
+from kvchat.models import gguf_quant, int4_rounding, quantize, quantized_linears, rescored_head, weight_layout
 from kvchat.models.gguf import cache_dir
 from kvchat.models.quantize import QuantizeReport
 from kvchat.models.quantized_linears import Int4Linear, Int8Linear, rebuilt
+from kvchat.models.rescored_head import RescoredHead
 from kvchat.native import kernels
 
 _PIECES, _PIECE = 64, 64  # values sampled from each weight: _PIECES runs of _PIECE
@@ -49,11 +50,11 @@ def save(model: nn.Module, report: QuantizeReport, path: Path) -> None:
     disk) leaves no file: the next start quantizes again."""
     tensors: dict[str, torch.Tensor] = {}
     layers: dict[str, dict[str, object]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, Int4Linear | Int8Linear):
-            layers[name] = _describe(module)
-            for buffer_name, buffer in module.named_buffers(recurse=False):
-                tensors[f"{name}.{buffer_name}"] = buffer.detach().cpu().contiguous()
+    for name, module in _quantized_layers(model).items():
+        layers[name] = _describe(module)
+        layer = module.coarse if isinstance(module, RescoredHead) else module
+        for buffer_name, buffer in layer.named_buffers(recurse=False):
+            tensors[f"{name}.{buffer_name}"] = buffer.detach().cpu().contiguous()
     metadata = {"code": _code_version(), "layers": json.dumps(layers), "report": json.dumps(asdict(report))}
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     try:
@@ -78,15 +79,34 @@ def load(model: nn.Module, path: Path) -> QuantizeReport | None:
             tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (not a dict)
         layers = json.loads(metadata["layers"])
         report = QuantizeReport(**json.loads(metadata["report"]))
-        replacements = {name: _layer(spec, name, tensors) for name, spec in layers.items()}
+        replacements: dict[str, nn.Module] = {
+            name: _layer(spec, name, tensors) for name, spec in layers.items()
+        }
     except (SafetensorError, OSError, ValueError, KeyError, TypeError):
         return None
     if not all(_fits(model, name, layer) for name, layer in replacements.items()):
         return None
     for name, layer in replacements.items():
         parent_name, _, child = name.rpartition(".")
+        linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear)  # _fits said so
+        if "num_exact" in layers[name]:  # its exact weight is the model's own, tied to the embedding
+            layer = RescoredHead(layer, linear.weight, layers[name]["num_exact"])
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
     return report
+
+
+def _quantized_layers(model: nn.Module) -> dict[str, Int4Linear | Int8Linear | RescoredHead]:
+    """The quantized layers by the name of the linear each replaced (a RescoredHead's own int4 layer
+    is kept with it, under its name)."""
+    found: dict[str, Int4Linear | Int8Linear | RescoredHead] = {}
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0]
+        if isinstance(module, RescoredHead) or (
+            isinstance(module, Int4Linear | Int8Linear) and not isinstance(found.get(parent), RescoredHead)
+        ):
+            found[name] = module
+    return found
 
 
 def _key(model: nn.Module, mode: str) -> str:
@@ -118,7 +138,7 @@ def _code_version() -> str:
     """A hash of the code that decides quantized layers and their layouts: any change to it (a new
     rounding, another layout) makes every file kept before it a miss."""
     digest = hashlib.sha256()
-    for module in (gguf_quant, int4_rounding, quantize, quantized_linears, weight_layout):
+    for module in (gguf_quant, int4_rounding, quantize, quantized_linears, rescored_head, weight_layout):
         digest.update(Path(inspect.getfile(module)).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -134,7 +154,9 @@ def _sample(tensor: torch.Tensor) -> bytes:
     return picked.float().cpu().numpy().tobytes()
 
 
-def _describe(module: Int4Linear | Int8Linear) -> dict[str, object]:
+def _describe(module: Int4Linear | Int8Linear | RescoredHead) -> dict[str, object]:
+    if isinstance(module, RescoredHead):
+        return {**_describe(module.coarse), "num_exact": module.num_exact}
     return {"class": type(module).__name__, **{name: getattr(module, name) for name in module.ATTRIBUTES}}
 
 

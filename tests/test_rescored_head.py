@@ -1,0 +1,86 @@
+"""The rescored output layer: int4 over the vocabulary, its highest logits a row equal to the exact
+layer's, and the model's greedy tokens those of the exact layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvchat.models import quantized_cache
+from kvchat.models.quantize import quantize_model
+from kvchat.models.quantized_linears import Int4Linear, Int8Linear
+from kvchat.models.rescored_head import RescoredHead
+from tests.tiny_models import make_tiny_model
+
+VOCAB, HIDDEN = 2048, 64
+
+
+def head(num_exact: int = 64) -> tuple[RescoredHead, nn.Parameter]:
+    torch.manual_seed(0)
+    linear = nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.bfloat16)
+    return RescoredHead(Int4Linear.from_linear(linear), linear.weight, num_exact), linear.weight
+
+
+def test_the_highest_logits_are_the_exact_layers_and_the_others_int4s() -> None:
+    rescored, weight = head()
+    x = torch.randn(3, HIDDEN, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = rescored(x).float()  # (3, V)
+        coarse = rescored.coarse(x).float()
+        exact = F.linear(x, weight).float()
+    top = coarse.topk(64, dim=-1).indices  # (3, 64)
+    recomputed = torch.zeros_like(got, dtype=torch.bool).scatter_(1, top, True)
+    torch.testing.assert_close(got[recomputed], exact[recomputed], rtol=2**-7, atol=0)  # bf16 rounding
+    assert torch.equal(got[~recomputed], coarse[~recomputed])
+    assert not torch.allclose(coarse[recomputed], exact[recomputed], rtol=2**-7, atol=0)  # int4 differs
+
+
+def test_its_greedy_tokens_are_the_exact_layers_where_int4_alone_gets_some_wrong() -> None:
+    rescored, weight = head(num_exact=32)
+    x = torch.randn(400, HIDDEN, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        exact = F.linear(x, weight).float().argmax(-1)  # (400,)
+        coarse = rescored.coarse(x).float().argmax(-1)
+        got = torch.cat([rescored(row[None]) for row in x]).float().argmax(-1)  # a row at a time, as decode
+    assert torch.equal(got, exact)
+    assert not torch.equal(coarse, exact)
+
+
+def test_many_rows_at_once_take_the_exact_layer() -> None:
+    rescored, weight = head()
+    x = torch.randn(1, 40, HIDDEN, dtype=torch.bfloat16)  # 40 x 64 rows would read more than the layer
+    with torch.inference_mode():
+        assert torch.equal(rescored(x), F.linear(x, weight))
+        assert rescored(x[:, :2]).shape == (1, 2, VOCAB)
+
+
+def test_int4_modes_rescore_a_tied_output_layer_and_keep_an_untied_one_int8() -> None:
+    for mode in ("int4", "int4-g128"):
+        tied = make_tiny_model("qwen2", dtype=torch.bfloat16)
+        report = quantize_model(tied, mode)
+        assert report.rescored == ["lm_head"] and isinstance(tied.lm_head, RescoredHead)
+        assert tied.lm_head.weight is tied.get_input_embeddings().weight
+    int8 = make_tiny_model("qwen2", dtype=torch.bfloat16)
+    assert quantize_model(int8, "int8").rescored == [] and isinstance(int8.lm_head, Int8Linear)
+    untied = make_tiny_model("qwen2", dtype=torch.bfloat16)
+    untied.lm_head = nn.Linear(64, 512, bias=False, dtype=torch.bfloat16)
+    assert quantize_model(untied, "int4").rescored == [] and isinstance(untied.lm_head, Int8Linear)
+    with pytest.raises(ValueError, match="tied"):
+        quantize_model(make_tiny_model("qwen2", dtype=torch.bfloat16), "int8", head_mode="rescored")
+
+
+def test_a_kept_rescored_layer_reads_back_on_the_models_own_embedding() -> None:
+    quantized = make_tiny_model("llama", dtype=torch.bfloat16)
+    path = quantized_cache.cache_path(quantized, "int4")
+    report = quantize_model(quantized, "int4")
+    quantized.lm_head.num_exact = 16  # the tiny vocabulary would take the exact layer at 1,024
+    quantized_cache.save(quantized, report, path)
+    fresh = make_tiny_model("llama", dtype=torch.bfloat16)
+    assert quantized_cache.load(fresh, path) == report
+    assert isinstance(fresh.lm_head, RescoredHead) and fresh.lm_head.num_exact == 16
+    assert fresh.lm_head.weight is fresh.get_input_embeddings().weight
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(fresh.lm_head(x), quantized.lm_head(x))
