@@ -9,7 +9,9 @@
   AVX-512 VNNI (`int4_linear`, `int8_linear`; models/quantized_linears.py uses them);
 - bf16_linear.cpp: the bf16 linear layer at the machine's read bandwidth, on CPUs with AVX-512 BF16,
   several rows (prefill, speculation's drafts) on AMX's tiles where the CPU has them (`bf16_linear`;
-  engine/decode_step.py's TiledLinear uses it).
+  engine/decode_step.py's TiledLinear uses it);
+- rescore.cpp: the highest logits of a rescored output layer computed again from the exact weight
+  (`rescore_top`; models/rescored_head.py uses it).
 
 They are built at first use with the machine's C++ compiler (`torch.utils.cpp_extension`, ~25 s) for
 this CPU (`-march=native`), and cached by torch under a name that carries the CPU's features, so a
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("paged_decode.cpp", "decode_layer.cpp", "quantized_linear.cpp", "bf16_linear.cpp")
+SOURCES = ("paged_decode.cpp", "decode_layer.cpp", "quantized_linear.cpp", "bf16_linear.cpp", "rescore.cpp")
 FLAGS = ["-O3", "-march=native"]
 LOADING = "Loading kvchat's kernels (built at the first start on a machine, ~25 s)"  # for progress
 
@@ -61,6 +63,11 @@ def int8_linear() -> Callable | None:
 def bf16_linear() -> Callable | None:
     """`kvchat::bf16_linear`, or None where it is not built: no compiler, or no AVX-512 BF16."""
     return _cpu_specific_op("bf16_linear")
+
+
+def rescore_top() -> Callable | None:
+    """`kvchat::rescore_top`, or None where the kernels are not built."""
+    return torch.ops.kvchat.rescore_top if built() else None
 
 
 def _cpu_specific_op(name: str) -> Callable | None:
@@ -103,6 +110,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvchat::paged_attention")
     def _(query, keys, values, layer, slots, num_new, scale):
         return query.new_empty(query.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("kvchat::rescore_top")
+    def _(logits, weight, hidden, num_exact):
+        return None
 
     if hasattr(torch.ops.kvchat, "int4_linear"):
         for name in ("kvchat::int4_linear", "kvchat::int8_linear"):
