@@ -55,7 +55,9 @@ class ModelSettings:
         "none",
         "Weight-only quantization of the linear layers: none, int8 (a scale per output channel), int4 "
         "(a scale and zero per 32 inputs, nested as 8-bit codes) or int4-g128 (per 128: fewer bytes, "
-        "faster, a little less exact); the output layer int8. int4 keeps a GGUF's Q4_0/Q4_1 values.",
+        "faster, a little less exact); the output layer int8, or under int4 where tied to the embedding, "
+        "int4 with its highest logits computed again from the embedding. int4 keeps a GGUF's Q4_0/Q4_1 "
+        "values.",
         flag="--quantize",
         choices=("none", "int8", "int4", "int4-g128"),
     )

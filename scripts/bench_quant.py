@@ -8,8 +8,10 @@
 quality: every variant scores the same English text in one forward; the table gives the mean
 KL(fp32 unquantized || variant) of the next-token distribution per position, how often the top-1 token
 is the same, and the perplexity. `int4 (file)` keeps the packaged GGUF's own Q4_1 values, `int4
-(requant)` quantizes the dequantized weights anew. The output layer ("head") is int8 in both modes
-unless the variant names another format for it. A second table rounds the decoder's weights to int4 in
+(requant)` quantizes the dequantized weights anew. The output layer ("head") is as --quantize makes it
+(int8; under int4 modes, tied as SmolLM2's is, rescored: int4 with its highest logits computed again from
+the embedding) unless the variant names another format for it; it runs one position at a time, as in
+decode. A second table rounds the decoder's weights to int4 in
 groups of 32, 64 and 128, the groups of 32 once on the file's blocks and once shifted off them: what
 quantizing anew costs by group size where the weights are not already on a 4-bit grid.
 speed: one thread, a 16-token prompt, then greedy decode through the model's own forward; the
@@ -201,7 +203,8 @@ def speed(args: argparse.Namespace) -> None:
     variants = {  # the int4 variants share their decoder layers: only the head is quantized anew
         "bf16": base,
         "int8": variant(base, "int8"),
-        "int4": variant(head_bf16, "int4", head="int8"),
+        "int4": variant(head_bf16, "int4", head="rescored"),
+        "int4, head int8": variant(head_bf16, "int4", head="int8"),
         "int4, head int4": variant(head_bf16, "int4", head="int4"),
         "int4, head bf16": head_bf16,
     }

@@ -86,8 +86,8 @@ def big_path(type_name: str) -> Path:
 
 def write_big(type_name: str, model) -> Path:
     """`model` (make_big_model's, Qwen2.5-3B's shapes, its weights seeded) as a GGUF file whose
-    matrices are `type_name`, the tied embedding in Q8_0 where they are 4-bit (as in the packaged file,
-    and as kvchat's int4 keeps its output layer in int8). Its tokenizer is the packaged one, padded to
+    matrices are `type_name`, the tied embedding in Q8_0 where they are 4-bit (as in the packaged file).
+    Its tokenizer is the packaged one, padded to
     the model's vocabulary: the benchmark feeds token ids. Q4_K is quantized by llama.cpp from the
     BF16 file (written first where missing)."""
     if type_name == "Q4_K":

@@ -101,6 +101,8 @@ def test_int4_modes_rescore_a_tied_output_layer_and_keep_an_untied_one_int8() ->
     untied = make_tiny_model("qwen2", dtype=torch.bfloat16)
     untied.lm_head = nn.Linear(64, 512, bias=False, dtype=torch.bfloat16)
     assert quantize_model(untied, "int4").rescored == [] and isinstance(untied.lm_head, Int8Linear)
+    odd = make_tiny_model("qwen2", vocab_size=520, dtype=torch.bfloat16)  # int4 takes rows in 16s
+    assert quantize_model(odd, "int4").rescored == [] and isinstance(odd.lm_head, Int8Linear)
     with pytest.raises(ValueError, match="tied"):
         quantize_model(make_tiny_model("qwen2", dtype=torch.bfloat16), "int8", head_mode="rescored")
 

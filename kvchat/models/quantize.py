@@ -92,8 +92,8 @@ def quantize_model(
             progress(done, len(names))
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear)
-        rescored = name == head_name and head_mode == "rescored"
-        layer_mode = (mode if rescored else head_mode) if name == head_name else mode
+        layer_mode = mode if name != head_name else _head_layer_mode(head_mode, mode, linear)
+        rescored = name == head_name and head_mode == "rescored" and layer_mode == mode
         if layer_mode == "none":
             continue
         try:
@@ -145,6 +145,14 @@ def require_kernels(mode: str, device: torch.device) -> None:
 def _output_layer(model: nn.Module) -> nn.Module | None:
     get = getattr(model, "get_output_embeddings", None)
     return get() if callable(get) else None
+
+
+def _head_layer_mode(head_mode: str, mode: str, linear: nn.Linear) -> str:
+    """The mode the output layer's own weight takes: a rescored one's is the int4 mode's, or int8 where
+    int4 cannot take its rows (not a multiple of 16)."""
+    if head_mode != "rescored":
+        return head_mode
+    return mode if linear.out_features % 16 == 0 else "int8"
 
 
 def _is_tied(model: nn.Module, head: nn.Module | None) -> bool:

@@ -4,10 +4,12 @@ The output layer is the largest matrix a token reads (Qwen2.5-3B: 151,936 x 2,04
 a sixth of an int4 token), and the most sensitive to rounding: in int4 alone it costs SmolLM2 a KL of
 0.065 and a top-1 of 84%. But only the highest logits decide what is sampled, and a model whose output
 layer is tied to its embedding keeps the exact rows in memory anyway. So the layer runs in int4 over the
-whole vocabulary, and its `num_exact` highest logits are recomputed from those rows: the int4 weight
-(4.5 bits a weight) and 1,024 rows (4 MB on a 3B model) read a token instead of 8 bits a weight. On
-SmolLM2 the error left is in the tail's mass: KL 0.0037 against an int8 layer's 0.0022 (scripts/README.md,
-Quantization), the top-1 that of the exact layer.
+whole vocabulary, and at least its `num_exact` highest logits are computed again from those rows
+(kvchat::rescore_top, native/rescore.cpp; torch's top-k and gather where that is not built): the int4
+weight (4.5 bits a weight) and ~1,024 rows (4 MB on a 3B model) read a token instead of 8 bits a weight,
+0.18 GB instead of 0.31 on Qwen2.5-3B's shapes. On SmolLM2 the error left is in the tail's mass: KL
+0.0037 against an int8 layer's 0.0022 (scripts/README.md, Quantization), the top-1 that of the exact
+layer.
 
 Where many rows of logits are asked for at once (a prompt's every position), the exact layer is cheaper
 than gathering rows for each, and runs instead.
@@ -49,7 +51,7 @@ class RescoredHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = x.reshape(-1, self.in_features)  # (M, K)
         rows = hidden.shape[0]
-        if rows * self.num_exact * 4 > self.out_features:  # the whole exact layer reads fewer bytes
+        if rows * self.num_exact * 4 > self.out_features:  # rows gathered for each: over 1/4 of the layer
             return F.linear(hidden.to(self.weight.dtype), self.weight).to(x.dtype).view(*x.shape[:-1], -1)
         logits = self.coarse(hidden)  # (M, V)
         rescore = kernels.rescore_top() if logits.device.type == "cpu" else None
