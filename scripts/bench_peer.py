@@ -150,7 +150,8 @@ def run_ttft(runners: dict[str, Runner], tokenizer, args) -> None:
 BIG_KINDS = ("bf16", "bf16-int8", "bf16-int4", "bf16-int4-head-int8", "bf16-int4-g128", "bf16-compiled",
              "bf16-int8-compiled", "bf16-int4-compiled")  # fmt: skip
 # llama.cpp's type of a kind's bytes: int4 quantized anew nests its scales, 4.5 bits a weight as Q4_K
-# (Q4_1: 5, as int4 on a Q4_1 file's own values)
+# (Q4_1: 5, as int4 on a Q4_1 file's own values); int4's rescored output layer reads 0.14 GB a 3B token
+# less than Q4_K's Q8_0 one
 SAME_BYTES = {"bf16": "BF16", "bf16-int8": "Q8_0", "bf16-int4": "Q4_K"}
 BIG_TYPES = ("BF16", "Q8_0", "Q4_1", "Q4_K")
 

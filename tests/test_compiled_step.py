@@ -153,7 +153,7 @@ def test_quantized_models_compile_and_equal_their_module_forward(mode, capfd, mo
     """int8 layers go through inductor's weight-only template instead of torch's kernel, int4 ones
     through kvchat's kernel (or inductor's template): the same codes and scales, so the same logits up
     to the order of the sums. Autotuning, which an empty compile cache makes run, writes nothing to the
-    terminal. The int4 output layer is rescored, over few enough rows that the graph holds its top-k."""
+    terminal. The int4 output layer is rescored, its rows few enough that the graph runs the rescoring."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     models = [make_tiny_model("qwen2") for _ in range(2)]
     for model in models:
