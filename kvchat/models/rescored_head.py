@@ -42,7 +42,14 @@ class RescoredHead(nn.Module):
         self.coarse = coarse
         self.weight = weight
         self.num_exact = min(num_exact, coarse.out_features)
-        self.in_features, self.out_features = coarse.in_features, coarse.out_features
+
+    @property
+    def in_features(self) -> int:
+        return self.coarse.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.coarse.out_features
 
     @property
     def exact_bytes(self) -> int:

@@ -13,23 +13,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBuckets = 4096;
 constexpr int64_t kLine = 64;  // bytes a cache line
-
-inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) {
-  uint16_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof out);
-  return out;
-}
 
 // A value's bucket: how far below the largest finite value, in steps of (largest - smallest) /
 // (kBuckets - 1), at most the last; 0 for a NaN or anything above the largest. buckets16 computes the same.
@@ -71,7 +60,7 @@ std::vector<int64_t> highest(const T* values, int64_t V, int64_t n) {
   bottom = _mm512_reduce_min_ps(bottoms);
 #endif
   for (; i < V; ++i) {
-    const float v = widen(values[i]);
+    const float v = static_cast<float>(values[i]);
     if (std::isfinite(v)) {
       top = std::max(top, v);
       bottom = std::min(bottom, v);
@@ -88,7 +77,7 @@ std::vector<int64_t> highest(const T* values, int64_t V, int64_t n) {
     for (int j = 0; j < 16; ++j) ++counts[at[j]];
   }
 #endif
-  for (; i < V; ++i) ++counts[bucket(widen(values[i]), top, scale)];
+  for (; i < V; ++i) ++counts[bucket(static_cast<float>(values[i]), top, scale)];
   int32_t last = 0;
   int64_t total = counts[0];
   while (total < n && last + 1 < kBuckets) total += counts[++last];
@@ -103,7 +92,7 @@ std::vector<int64_t> highest(const T* values, int64_t V, int64_t n) {
   }
 #endif
   for (; i < V; ++i)
-    if (bucket(widen(values[i]), top, scale) <= last) found.push_back(i);
+    if (bucket(static_cast<float>(values[i]), top, scale) <= last) found.push_back(i);
   return found;
 }
 
@@ -122,7 +111,7 @@ float dot(const W* row, const float* x, int64_t K, const W* next) {
   }
   total = _mm512_reduce_add_ps(sums);
 #endif
-  for (; k < K; ++k) total += widen(row[k]) * x[k];
+  for (; k < K; ++k) total += static_cast<float>(row[k]) * x[k];
   return total;
 }
 
