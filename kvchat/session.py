@@ -55,7 +55,11 @@ class LiveSettable(Protocol):
 def apply_live_settings(ctx: LiveSettable, settings: Settings) -> None:
     """Give the context manager what the live settings (reuse.*, decode.*) make of it; the sampling
     and ui settings are read from the settings where they are used."""
-    ctx.mode = ReuseMode(settings.reuse.mode)
+    mode = ReuseMode(settings.reuse.mode)
+    reason = getattr(ctx, "move_refusal", None)
+    if mode is not ReuseMode.EXACT and reason is not None:
+        raise ConfigError(f"reuse.mode {mode} is not available for this model: {reason}; exact is")
+    ctx.mode = mode
     ctx.repair = repair_policy(settings.reuse)
     ctx.speculation = make_speculation(settings.decode, ctx.speculation.draft_engine)
 

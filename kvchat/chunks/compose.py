@@ -15,11 +15,12 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kvchat.chunks.chunk import Chunk
+from kvchat.chunks.placement import shared_runs
 from kvchat.chunks.types import ChunkReport, RepairStrategy, ReuseMode
 from kvchat.engine.blend import recompute_selected
 from kvchat.engine.block_manager import Sequence
 from kvchat.engine.engine import Engine
-from kvchat.engine.rope import rerotate_keys_
+from kvchat.engine.rope import KeyRotation
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class ComposedSequence:
 
 
 def chunk_ranges(chunks: list[Chunk]) -> list[tuple[Chunk, int, int]]:
+    """Each chunk and its positions [start, end) when the chunks' own ids are joined."""
     ranges, pos = [], 0
     for chunk in chunks:
         ranges.append((chunk, pos, pos + len(chunk.token_ids)))
@@ -103,17 +105,19 @@ def chunk_ranges(chunks: list[Chunk]) -> list[tuple[Chunk, int, int]]:
 def compose(
     engine: Engine,
     seq: Sequence,
-    chunks: list[Chunk],
+    ranges: list[tuple[Chunk, int, int]],
     mode: ReuseMode,
     repair: RepairPolicy,
-    inv_freq=None,
+    rotation: KeyRotation | None = None,
 ) -> ComposedSequence:
-    """Give a new sequence over the chunks' tokens (then a tail, the generation prompt) its blocks, with
-    as much KV filled in as `mode` allows. The caller owns `seq`, and so every block it takes."""
-    ranges = chunk_ranges(chunks)
+    """Give a new sequence over the chunks' tokens (each chunk at its range, then a tail, the generation
+    prompt) its blocks, with as much KV filled in as `mode` allows. Where a chunk's ids here differ from
+    the ids its KV was kept for, only what they share is moved (placement.shared_runs). The caller owns
+    `seq`, and so every block it takes."""
     num_tokens = seq.num_tokens
     movable = []
     if mode is not ReuseMode.EXACT:
+        assert rotation is not None, "moving KV needs the model's key rotation"
         movable = [
             (chunk, start, end)
             for chunk, start, end in ranges
@@ -123,33 +127,38 @@ def compose(
     by_prefix = mode is ReuseMode.REPAIR and repair.strategy == RepairStrategy.PREFIX
     with engine.blocks.hold(held):  # keep the sources from being evicted by the allocation
         engine.admit(seq)
-        composed = ComposedSequence(seq, ranges, num_tokens, seq.num_computed, [])
+        composed = ComposedSequence(seq, list(ranges), num_tokens, seq.num_computed, [])
         for chunk, start, end in movable:
             if end <= seq.num_computed or end >= num_tokens:
                 continue  # already there, or the very last tokens (they must produce logits)
-            _place(engine, seq, chunk, start, end, repair if by_prefix else None, inv_freq, composed)
+            _place(engine, seq, chunk, start, end, repair if by_prefix else None, rotation, composed)
         if mode is ReuseMode.REPAIR and not by_prefix and composed.repositioned:
             _recompute_deviating(engine, composed, repair)
     return composed
 
 
-def _place(engine, seq, chunk, start, end, repair, inv_freq, composed: ComposedSequence) -> None:
-    """Move the chunk's KV to start..end; with a prefix `repair` policy, compute its first tokens."""
+def _place(engine, seq, chunk, start, end, repair, rotation, composed: ComposedSequence) -> None:
+    """Move the chunk's KV to start..end where its ids there match its own (the tokens between are
+    computed); with a prefix `repair` policy, compute its first tokens instead."""
     span = chunk.span
     if seq.num_computed < start:
         engine.compute(seq, until=start)
-    # A chunk may start inside the exact prefix (its first tokens matched): move only the rest.
-    first_moved = max(seq.num_computed, start + (repair.num_recomputed(end - start) if repair else 0))
-    if first_moved > seq.num_computed:
-        composed.recomputed += range(seq.num_computed, first_moved)
-        engine.compute(seq, until=first_moved)
-    if first_moved == end:
-        return
-    slots = span.slots(engine.block_size)[first_moved - start :]
-    keys, values = engine.gather(slots)  # (L, T, H, D)
-    keys = rerotate_keys_(keys, start - span.start_pos, inv_freq)
-    engine.write_kv(seq, first_moved, keys, values)
-    composed.repositioned.append((first_moved, end))
+    first = max(seq.num_computed, start + (repair.num_recomputed(end - start) if repair else 0))
+    if first > seq.num_computed:
+        composed.recomputed += range(seq.num_computed, first)
+        engine.compute(seq, until=first)
+    for own, placed, length in shared_runs(chunk.token_ids, seq.token_ids[start:end]):
+        # A run may begin inside what is computed already (its first tokens matched): move the rest.
+        a, b = max(start + placed, seq.num_computed), start + placed + length
+        if a >= b:
+            continue
+        if seq.num_computed < a:
+            engine.compute(seq, until=a)
+        source = own + a - start - placed  # the run's first moved token in the chunk's own ids
+        keys, values = engine.gather(span.slots(engine.block_size)[source : source + b - a])  # (L, T, H, D)
+        keys = rotation.rotate_(keys, a - span.start_pos - source)
+        engine.write_kv(seq, a, keys, values)
+        composed.repositioned.append((a, b))
 
 
 def _recompute_deviating(engine: Engine, composed: ComposedSequence, repair: RepairPolicy) -> None:

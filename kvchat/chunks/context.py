@@ -14,7 +14,10 @@ from kvchat.chunks.chunk import Chunk, ChunkRegistry
 from kvchat.chunks.compose import NO_REPAIR, ComposedSequence, RepairPolicy
 from kvchat.chunks.context_file import save_session, stage_session
 from kvchat.chunks.context_views import ContextViews
+from kvchat.chunks.describe import kept_span
 from kvchat.chunks.inference import Inference, Setup
+from kvchat.chunks.placement import Placement, place
+from kvchat.chunks.rendering import Part, Rendering
 from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.retry import answer_to_retry
 from kvchat.chunks.template import ChatFormat
@@ -28,6 +31,7 @@ from kvchat.chunks.types import (
 from kvchat.chunks.verify import measure_fidelity
 from kvchat.engine.block_manager import Sequence
 from kvchat.engine.engine import Engine
+from kvchat.engine.rope import KeyRotation, refusal
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import CacheFullError, ChunkError
@@ -38,6 +42,7 @@ _TEMPLATE_ROLE = {
     Role.QUERY: "user",
     Role.USER: "user",
 }
+_NUM_RENDERINGS_KEPT = 16
 
 
 class ContextManager(ContextViews):
@@ -70,13 +75,17 @@ class ContextManager(ContextViews):
         self.turns: list[str] = []
         self.query: str | None = None
         self.live: Sequence | None = None  # the last inference's sequence, kept for the next turn
+        # Why reposition and repair cannot run on this model (its keys cannot be re-rotated), or None.
+        self.move_refusal = refusal(engine.model)
+        self._rotation = KeyRotation(engine.model) if self.move_refusal is None else None
+        self._renderings: dict[tuple, Rendering] = {}  # by the conversation's chunk ids and roles
 
     # -- registering and composing -----------------------------------------------------------------
 
     def register(self, role: Role, text: str, unique: bool = False) -> Chunk:
         if not text.strip():
             raise ChunkError(f"empty {role.value} text")
-        token_ids = self.format.segment_ids(_TEMPLATE_ROLE[role], text)
+        token_ids = self.format.text_ids(text)  # what identifies it; its ids in place come from the template
         capacity = self.engine.blocks.num_blocks * self.engine.block_size
         if len(token_ids) >= capacity:
             raise CacheFullError(
@@ -110,7 +119,7 @@ class ContextManager(ContextViews):
     def drop(self, ref: str) -> ChunkInfo:
         chunk = self.registry.find(ref)
         if chunk.is_default:
-            what = "default system prompt" if self.format.default_system_prompt else "opening (a BOS)"
+            what = "default system prompt" if self.format.default_system_prompt else "opening"
             raise ChunkError(
                 f"chunk {chunk.number} is the chat template's {what}, used while no system prompt is set; "
                 "replace it with /system TEXT"
@@ -147,23 +156,60 @@ class ContextManager(ContextViews):
         return info
 
     def context_chunks(self, with_query: bool = True) -> list[Chunk]:
-        """The chunks the next inference sees, in order; what the template writes first when no system
-        prompt is set stands in explicitly."""
-        lead = self.registry.chunks[self.system] if self.system else self._template_lead()
-        ids = self.middle + self.turns + ([self.query] if with_query and self.query else [])
-        return ([lead] if lead is not None else []) + [self.registry.chunks[i] for i in ids]
+        """The chunks the next inference sees, in the conversation's order; what the template writes first
+        when no system prompt is set stands in explicitly."""
+        return self.placement(with_query, strict=False).sources
+
+    def placement(self, with_query: bool = True, turn: Chunk | None = None, strict: bool = True) -> Placement:
+        """The context (with the query, or with a new user `turn` instead) as the chat template renders
+        it, each chunk's ids there. A chunk whose KV is not kept takes those ids as its own. Unless
+        `strict`, a context the template cannot render (a system prompt alone) is shown with the chunks'
+        own ids."""
+        last = [turn.chunk_id] if turn else [self.query] if with_query and self.query else []
+        ids = ([self.system] if self.system else []) + self.middle + self.turns + last
+        chunks = [self.registry.chunks[i] for i in ids]
+        lead = None if self.system else self._template_lead()
+        try:
+            placement = place(self._render(chunks), chunks, lead) if chunks else None
+        except ChunkError:
+            if strict:
+                raise
+            placement = None
+        if placement is None:
+            listed = ([lead] if lead else []) + chunks
+            return Placement(listed, [list(c.token_ids) for c in listed], [], listed)
+        for chunk, piece in zip(placement.chunks, placement.piece_ids, strict=True):
+            if chunk.token_ids != piece and kept_span(chunk, self.engine.blocks) is None:
+                chunk.token_ids = list(piece)
+        return placement
+
+    def _render(self, chunks: list[Chunk]) -> Rendering:
+        parts = [self._part(c) for c in chunks]
+        key = tuple((c.chunk_id, p.role) for c, p in zip(chunks, parts, strict=True))
+        rendering = self._renderings.get(key)
+        if rendering is None:
+            if len(self._renderings) >= _NUM_RENDERINGS_KEPT:
+                self._renderings.clear()
+            rendering = self._renderings[key] = self.format.render(parts)
+        return rendering
+
+    def _part(self, chunk: Chunk) -> Part:
+        """A chunk as a part of the conversation: an answer is an assistant message in the turns (and
+        among the context where the template takes one between user messages), else user text."""
+        if chunk.role is not Role.OUTPUT:
+            return Part(_TEMPLATE_ROLE[chunk.role], chunk.text)
+        text = self.format.answer_text(chunk.token_ids, self.eos_token_ids)
+        as_turn = chunk.chunk_id in self.turns or not self.format.layout.joins_users
+        return Part("assistant" if as_turn else "user", text)
 
     def _template_lead(self) -> Chunk | None:
         """The chunk for what the template writes before a conversation without a system message: its
-        default system prompt (Qwen2.5's), or the ids it starts with (a Llama-style BOS), or None."""
-        text = self.format.default_system_prompt
-        if text:
-            ids = self.format.segment_ids("system", text)
-            return self.registry.add(Role.SYSTEM, text, ids, is_default=True)
-        ids = list(self.format.start_ids)
-        if ids:  # its text is the tokens' own (e.g. "<s>"): there is no system text
-            return self.registry.add(Role.SYSTEM, self.tokenizer.decode(ids), ids, is_default=True)
-        return None
+        default system prompt (Qwen2.5's), or what opens the text (a BOS, Llama 3's dated header)."""
+        ids = list(self.format.lead_ids)
+        if not ids:
+            return None
+        text = self.format.default_system_prompt or self.tokenizer.decode(ids)
+        return self.registry.add(Role.SYSTEM, text, ids, is_default=True)
 
     # -- inference ---------------------------------------------------------------------------------
 
@@ -171,12 +217,12 @@ class ContextManager(ContextViews):
         """Generate from the current context and query; yields steps, then the InferenceResult."""
         if self.query is None and not self.turns:
             raise ChunkError("no query to answer: set one with /query TEXT")
-        return self._run(self.context_chunks(), params)
+        return self._run(self.placement(), params)
 
     def chat(self, text: str, params: SamplingParams) -> InferenceStream:
         """Append a user turn, generate, and append the answer as an assistant turn."""
         turn = self.register(Role.USER, text, unique=True)
-        return self._run(self.context_chunks(with_query=False) + [turn], params, turn=turn)
+        return self._run(self.placement(turn=turn), params, turn=turn)
 
     def retry(self, params: SamplingParams) -> InferenceStream:
         """Generate the newest answer again from the context it came from, in its place. The answer it
@@ -189,8 +235,8 @@ class ContextManager(ContextViews):
         self._remove_from_context(last.chunk_id)
         self._delete(last)
         if turn is None:
-            return self._run(self.context_chunks(), params)
-        return self._run(self.context_chunks(with_query=False) + [turn], params, turn=turn)
+            return self._run(self.placement(), params)
+        return self._run(self.placement(turn=turn), params, turn=turn)
 
     def infer_blocking(self, params: SamplingParams) -> InferenceResult:
         """`infer` without streaming: the InferenceResult alone."""
@@ -205,7 +251,7 @@ class ContextManager(ContextViews):
 
     def compose(self, reserve_tokens: int = 0) -> ComposedSequence:
         """The current context's sequence as the mode composes it. The caller frees `.seq`."""
-        with self._hinting(), Inference(self.setup, self.context_chunks()) as run:
+        with self._hinting(), Inference(self.setup, self.placement()) as run:
             composed = run.compose(reserve_tokens)
             run.hand_over()
         return composed
@@ -216,7 +262,7 @@ class ContextManager(ContextViews):
             raise ChunkError("nothing to verify: set a query with /query TEXT")
         if num_tokens < 1:
             raise ChunkError("verify needs at least 1 token to compare")
-        with self._hinting(), Inference(self.setup, self.context_chunks()) as run:
+        with self._hinting(), Inference(self.setup, self.placement()) as run:
             composed = run.compose(reserve_tokens=num_tokens)
             return measure_fidelity(composed, self.engine, self.mode, self.eos_token_ids, num_tokens)
 
@@ -230,6 +276,7 @@ class ContextManager(ContextViews):
             self.mode,
             self.repair,
             self.speculation,
+            self._rotation,
         )
 
     @contextmanager
@@ -240,14 +287,16 @@ class ContextManager(ContextViews):
         except CacheFullError as err:
             raise CacheFullError(f"{err}. {describe.deletable_outputs(self.registry)}") from None
 
-    def _run(self, chunks: list[Chunk], params: SamplingParams, turn: Chunk | None = None) -> InferenceStream:
+    def _run(
+        self, placement: Placement, params: SamplingParams, turn: Chunk | None = None
+    ) -> InferenceStream:
         """One inference, owned from composing to settling by its `with` block: whatever way it ends (an
         answer, an error, Ctrl-C anywhere, the stream closed), its blocks are kept here or given back."""
         self._release_live()  # its blocks stay cached, so the new sequence can still share them
         registry = self.registry  # replaced by a reset: an answer from before it is not kept after
         output: Chunk | None = None
         try:
-            with self._hinting(), Inference(self.setup, chunks, params) as run:
+            with self._hinting(), Inference(self.setup, placement, params) as run:
                 try:
                     yield from run.steps()
                 except GeneratorExit:

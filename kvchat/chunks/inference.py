@@ -17,6 +17,7 @@ from typing import Any
 
 from kvchat.chunks.chunk import Chunk, ChunkRegistry, KVSpan
 from kvchat.chunks.compose import ComposedSequence, RepairPolicy, compose
+from kvchat.chunks.placement import Placement
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import InferenceResult, ReuseMode
 from kvchat.engine.block_manager import Sequence
@@ -24,10 +25,10 @@ from kvchat.engine.detokenizer import StreamDetokenizer, split_think
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.records import GenerationStep, PrefillProgress
-from kvchat.engine.rope import rotary_inv_freq
+from kvchat.engine.rope import KeyRotation
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import NO_SPECULATION, Speculation
-from kvchat.errors import CacheFullError
+from kvchat.errors import CacheFullError, ChunkError
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Setup:
     mode: ReuseMode
     repair: RepairPolicy
     speculation: Speculation = NO_SPECULATION
+    rotation: KeyRotation | None = None  # how moved keys are re-rotated; None where they cannot be
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,9 @@ class Inference:
     """Compose, prefill, decode and close one answer, as the one owner of its blocks. Enter it as a
     `with` block; drive `steps()`, then `keep()` the answer (or not), then read `result()`."""
 
-    def __init__(self, setup: Setup, chunks: list[Chunk], params: SamplingParams | None = None):
-        self.setup, self.chunks, self.params = setup, chunks, params or SamplingParams()
+    def __init__(self, setup: Setup, placement: Placement, params: SamplingParams | None = None):
+        self.setup, self.placement, self.params = setup, placement, params or SamplingParams()
+        self.chunks = placement.chunks
         self.composed: ComposedSequence | None = None
         self.prompt_len = 0
         self.last: GenerationStep | None = None
@@ -81,13 +84,14 @@ class Inference:
         """The context's sequence with KV reused per the mode, room checked for `reserve_tokens` more.
         Its blocks are this inference's from the first one taken."""
         engine = self.setup.engine
-        gen_ids = self.setup.format.generation_prompt_ids
-        token_ids = [t for c in self.chunks for t in c.token_ids] + list(gen_ids)
+        token_ids = self.placement.token_ids
         _check_room(engine, len(token_ids), reserve_tokens)
         self._seq = engine.new_sequence(token_ids)
-        mode = self.setup.mode
-        inv_freq = rotary_inv_freq(engine.model) if mode is not ReuseMode.EXACT else None
-        self.composed = compose(engine, self._seq, self.chunks, mode, self.setup.repair, inv_freq)
+        mode, rotation = self.setup.mode, self.setup.rotation
+        if mode is not ReuseMode.EXACT and rotation is None:
+            raise ChunkError(f"{mode} moves cached keys, which this model cannot re-rotate: use exact")
+        ranges = self.placement.ranges
+        self.composed = compose(engine, self._seq, ranges, mode, self.setup.repair, rotation)
         missing = -(-(len(token_ids) + reserve_tokens) // engine.block_size) - len(self._seq.block_table)
         if missing > engine.blocks.num_free:
             free = engine.blocks.num_free
@@ -145,8 +149,9 @@ class Inference:
         fmt = self.setup.format
         close_ids = fmt.assistant_close_ids
         generated = self.generated_ids
-        if self.finish_reason == "stop" and generated and generated[-1] == close_ids[0]:
-            engine.extend(seq, close_ids[1:])
+        if self.finish_reason == "stop" and generated and generated[-1] in close_ids:
+            # the stop token is part of the closing (<|im_end|>): what follows it is added
+            engine.extend(seq, close_ids[len(close_ids) - close_ids[::-1].index(generated[-1]) :])
         else:
             engine.extend(seq, close_ids)  # an unfinished answer is closed before it can be reused
         if seq.num_computed < seq.num_tokens:
@@ -173,14 +178,15 @@ class Inference:
             answer.text,
             answer.token_ids,
             had_think=answer.had_think,
-            source_ids=tuple(c.chunk_id for c in self.chunks),
+            source_ids=tuple(c.chunk_id for c in self.placement.sources),
             finish_reason=answer.finish_reason,
         )
         exact = seq.exact_limit >= seq.num_tokens
         output.span = KVSpan.of(blocks, seq, answer.start, seq.num_tokens, exact, pinned=True)
         assert self.composed is not None
         for chunk, a, b in self.composed.chunk_ranges:
-            if b <= seq.exact_limit and (chunk.span is None or not chunk.span.is_valid(blocks)):
+            if a < b <= seq.exact_limit and (chunk.span is None or not chunk.span.is_valid(blocks)):
+                chunk.token_ids = seq.token_ids[a:b]  # a span holds the KV of its chunk's own ids
                 chunk.span = KVSpan.of(blocks, seq, a, b, exact=True, pinned=False)
         return output, seq
 

@@ -161,7 +161,12 @@ def compare_modes_told(
 
     if notify is None:
         return compare_modes(ctx, modes, params)
-    distinct = list(dict.fromkeys(modes))
+    from kvchat.chunks.compare import runnable_modes
+
+    distinct = runnable_modes(ctx, list(dict.fromkeys(modes)))
+    for mode in dict.fromkeys(modes):
+        if mode not in distinct:
+            notify(f"{mode} left out: {getattr(ctx, 'move_refusal', None)}")
     done: list[ReuseMode] = []
 
     def answered(mode: ReuseMode, text: str) -> None:

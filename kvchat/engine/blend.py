@@ -18,6 +18,7 @@ from kvchat.engine.block_manager import Sequence
 from kvchat.engine.engine import Engine
 from kvchat.engine.forward_cache import SelectiveCache, cache_argument
 from kvchat.engine.paged_attention import PagedKV
+from kvchat.engine.rope import layer_position_embeddings
 
 
 @torch.inference_mode()
@@ -48,13 +49,14 @@ def recompute_selected(
         kv.bind(_tensor(seq.slots_at(positions.tolist()), engine.device), seq.block_table, end)
         cache.deviation = None
         position_ids = positions.unsqueeze(0)  # (1, q)
+        window = getattr(layer.self_attn, "sliding_window", None)  # a sliding-window layer's span
         out = layer(
             hidden,
-            attention_mask=_causal_mask(positions, end, hidden.dtype),
+            attention_mask=_causal_mask(positions, end, hidden.dtype, window),
             position_ids=position_ids,
             **cache_argument(layer, cache),
             use_cache=True,
-            position_embeddings=base.rotary_emb(hidden, position_ids),
+            position_embeddings=layer_position_embeddings(base, hidden, position_ids)[index],
         )
         hidden = out[0] if isinstance(out, tuple) else out  # (1, q, d)
         if index < probe_layer or index == engine.num_layers - 1:
@@ -69,10 +71,15 @@ def recompute_selected(
     return ran
 
 
-def _causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask: the query at position p sees keys 0..p. (1, 1, q, length)"""
+def _causal_mask(
+    positions: torch.Tensor, length: int, dtype: torch.dtype, window: int | None = None
+) -> torch.Tensor:
+    """Additive mask: the query at position p sees keys 0..p, or on a sliding-window layer the last
+    `window` of them. (1, 1, q, length)"""
     keys = torch.arange(length, device=positions.device)  # (length,)
     allowed = keys.unsqueeze(0) <= positions.unsqueeze(1)  # (q, length)
+    if window:
+        allowed &= keys.unsqueeze(0) > positions.unsqueeze(1) - window
     mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
