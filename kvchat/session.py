@@ -9,7 +9,7 @@ import torch
 
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
-from kvchat.chunks.template import ChatFormat
+from kvchat.chunks.template import ChatFormat, read_template
 from kvchat.chunks.types import RepairStrategy, ReuseMode
 from kvchat.config import CacheSettings, DecodeSettings, ReuseSettings, Settings
 from kvchat.engine.engine import Engine, kv_shape
@@ -17,13 +17,16 @@ from kvchat.engine.paged_attention import KVPool
 from kvchat.engine.speculate import Speculation
 from kvchat.errors import ConfigError, DraftModelError
 from kvchat.models.device import available_memory_bytes
-from kvchat.models.loader import LoadedModel, load_model
-from kvchat.models.progress import ProgressCallback, report
+from kvchat.models.loader import LoadedModel, PreparedModel, load_model, no_template_note, prepare_model
+from kvchat.models.progress import ProgressCallback, report, tell
 
 
 def open_session(settings: Settings, progress: ProgressCallback | None = None) -> ContextManager:
-    """Load the model the settings name and build the paged cache and context manager over it."""
-    loaded = load_model(settings.model, progress)
+    """Load the model the settings name and build the paged cache and context manager over it. The
+    chat template is settled first, from the tokenizer alone, before the weights load."""
+    prepared = prepare_model(settings.model, progress)
+    chat_format = make_chat_format(prepared, settings.model.chat_template, progress)
+    loaded = load_model(settings.model, progress, prepared)
     engine = make_engine(loaded, settings, progress)
     draft_engine = None
     if settings.model.draft_model:
@@ -33,7 +36,7 @@ def open_session(settings: Settings, progress: ProgressCallback | None = None) -
         draft_engine = make_engine(draft, settings, progress)
     ctx = ContextManager(
         engine,
-        ChatFormat(loaded.tokenizer),
+        chat_format,
         loaded.tokenizer,
         loaded.eos_token_ids,
         model_id=loaded.model_id,
@@ -42,6 +45,20 @@ def open_session(settings: Settings, progress: ProgressCallback | None = None) -
     )
     apply_live_settings(ctx, settings)
     return ctx
+
+
+def make_chat_format(
+    prepared: PreparedModel, spec: str | None, progress: ProgressCallback | None = None
+) -> ChatFormat:
+    """The chat template `spec` names (a built-in name or a Jinja file), else the model's own, or
+    generic ChatML where it has none; what it costs reuse is told once."""
+    template, source = read_template(spec) if spec else (None, None)
+    chat_format = ChatFormat(prepared.tokenizer, template, source)
+    if chat_format.uses_fallback_template and not prepared.told_no_template:
+        tell(progress, no_template_note(prepared.source.model_id))
+    if chat_format.reuse_note:
+        tell(progress, f"{prepared.source.model_id}: {chat_format.reuse_note}")
+    return chat_format
 
 
 class LiveSettable(Protocol):

@@ -79,6 +79,16 @@ class ModelSettings:
         flag="--compile",
         detail="Needs a C++ compiler. Other families and CUDA decode as without it.",
     )
+    chat_template: str | None = setting(
+        None,
+        "The chat template: chatml (a generic one) or a Jinja file. Unset: the model's own, or ChatML "
+        "for a model that has none (kvchat says so at start).",
+        flag="--chat-template",
+        detail="/info names the template in use.",
+        example="chatml",
+        pattern=r"(?s).*\S.*",
+        pattern_help="must not be empty",
+    )
     draft_model: str | None = setting(
         None,
         "A small model sharing the tokenizer that drafts tokens for decode.speculate = draft.",

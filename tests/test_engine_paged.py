@@ -101,7 +101,7 @@ def test_sequences_decoding_in_turn_equal_full_forward(
 
 
 def test_rerotated_layer0_keys_equal_keys_computed_at_new_positions(model):
-    from kvchat.engine.rope import rerotate_keys_, rotary_inv_freq
+    from kvchat.engine.rope import KeyRotation
 
     engine = Engine(model, kv_memory_bytes=1 << 22, block_size=4, prefill_chunk=512)
     chunk = random_ids(10, seed=7)
@@ -111,6 +111,6 @@ def test_rerotated_layer0_keys_equal_keys_computed_at_new_positions(model):
     engine.compute(seq_b)
     keys_a, _ = engine.read_kv(seq_a, 3, 13)
     keys_b, _ = engine.read_kv(seq_b, 13, 23)
-    moved = rerotate_keys_(keys_a, 10, rotary_inv_freq(model))
+    moved = KeyRotation(model).rotate_(keys_a, 10)
     torch.testing.assert_close(moved[0], keys_b[0], atol=1e-5, rtol=1e-5)  # layer 0 sees no context
     assert (moved[1] - keys_b[1]).abs().max() > 1e-3  # deeper layers did attend to another prefix

@@ -13,7 +13,7 @@ import torch
 
 from kvchat.chunks import describe
 from kvchat.chunks.chunk import Chunk, ChunkRegistry
-from kvchat.chunks.compose import chunk_ranges
+from kvchat.chunks.placement import Placement
 from kvchat.chunks.prefix_kv import read_prefix_kv
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import CacheStats, ChunkDetail, ChunkInfo
@@ -39,6 +39,11 @@ class ContextViews:
     @abstractmethod  # the ContextManager's: what composes the context is not a read
     def context_chunks(self, with_query: bool = True) -> list[Chunk]: ...
 
+    @abstractmethod
+    def placement(
+        self, with_query: bool = True, turn: Chunk | None = None, strict: bool = True
+    ) -> Placement: ...
+
     def held_blocks(self) -> Counter[int]:
         """The references this manager holds on each block: the live sequence's and the pinned spans'."""
         held: Counter[int] = Counter(self.live.block_table if self.live else [])
@@ -63,7 +68,7 @@ class ContextViews:
 
     def chunk(self, ref: str) -> ChunkDetail:
         chunk = self.registry.find(ref)
-        positions = next((range(s, e) for c, s, e in chunk_ranges(self.context_chunks()) if c is chunk), None)
+        positions = next((range(s, e) for c, s, e in self.placement(strict=False).ranges if c is chunk), None)
         return describe.chunk_detail(self.info(chunk.chunk_id), chunk, self.engine.blocks, positions)
 
     def resolved_settings(self) -> dict[str, str]:
@@ -75,7 +80,8 @@ class ContextViews:
 
     def model_info(self) -> ModelInfo:
         """The model, its chat template and the KV budget (for `/info`)."""
-        return describe.model_summary(self.engine, self.tokenizer, self.format, self.model_id)
+        refusal = getattr(self, "move_refusal", None)
+        return describe.model_summary(self.engine, self.tokenizer, self.format, self.model_id, refusal)
 
     def view_state(self, with_context: bool = False) -> ViewState:
         """A copy of what /blocks, /attention and /compare read: chunks, live sequence, blocks, and

@@ -65,8 +65,11 @@ def cache_stats(blocks: BlockManager, bytes_per_block: int) -> CacheStats:
     )
 
 
-def model_summary(engine: Engine, tokenizer: Any, chat_format: ChatFormat, model_id: str) -> ModelInfo:
-    """The model, its chat template and the KV budget (for `/info`)."""
+def model_summary(
+    engine: Engine, tokenizer: Any, chat_format: ChatFormat, model_id: str, move_refusal: str | None = None
+) -> ModelInfo:
+    """The model, its chat template, the reuse modes it runs and the KV budget (for `/info`)."""
+    reuse = "exact, reposition, repair" if move_refusal is None else f"exact only: {move_refusal}"
     info = model_info(
         engine.model,
         getattr(tokenizer, "chat_template", None),
@@ -76,7 +79,7 @@ def model_summary(engine: Engine, tokenizer: Any, chat_format: ChatFormat, model
         block_size=engine.block_size,
         bytes_per_block=engine.bytes_per_block,
     )
-    return replace(info, decode=engine.decode_path)
+    return replace(info, chat_template=chat_format.describe(), decode=engine.decode_path, reuse=reuse)
 
 
 def deletable_outputs(registry: ChunkRegistry) -> str:

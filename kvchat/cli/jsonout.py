@@ -70,8 +70,8 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
       {"model.dtype": "bf16", ...}) when listing; `key` and `value` when showing or changing one
       (showing adds `resolved` where `auto` resolved to something).
     - info: `info` with `model_id`, `source`, `family`, `architecture`, `num_parameters`, `dtype`,
-      `quantization`, `context_length`, `chat_template`, `default_system_prompt`, `kv_tokens`,
-      `kv_bytes`, `block_size`, `device`, `threads`.
+      `quantization`, `decode`, `reuse`, `context_length`, `chat_template`, `default_system_prompt`,
+      `kv_tokens`, `kv_bytes`, `block_size`, `device`, `threads`.
     - mode: `mode`. save, load: `path`, `num_chunks`. clear, reset: `message`.
     - help: `commands`, a list of {`name`, `usage`, `summary`, `aliases`}; `/help NAME` adds `command`,
       with `details` (the longer help).

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from kvchat.models.progress import ProgressCallback
 
 CONVERTING = "converting"  # how kvchat.models.gguf's conversion stages are described (not imported: torch)
+NOTE = "note: "  # kvchat.models.progress.NOTE: a line to tell, not a stage (not imported: transformers)
 
 THEME = Theme(
     {
@@ -212,6 +213,9 @@ class UI:
             current: list[tuple[str, TaskID]] = []  # the stage shown: its description and task
 
             def report(description: str, completed: float, total: float | None) -> None:
+                if description.startswith(NOTE):
+                    self.warn(description.removeprefix(NOTE))
+                    return
                 if not current or current[0][0] != description:
                     if current:
                         bar.remove_task(current.pop()[1])
@@ -224,6 +228,9 @@ class UI:
         told: set[str] = set()
 
         def report(description: str, completed: float, total: float | None) -> None:
+            if description.startswith(NOTE):
+                self.warn(description.removeprefix(NOTE))
+                return
             head = description.partition(":")[0]
             if head.startswith(CONVERTING) and head not in told:
                 told.add(head)

@@ -240,6 +240,7 @@ def info_table(info: ModelInfo) -> RenderableType:
     if info.default_system_prompt:
         template += f"; with no system prompt it inserts {preview(info.default_system_prompt, 40)!r}"
     table.add_row("chat template", template)
+    table.add_row("reuse modes", info.reuse)
     table.add_row(
         "KV budget",
         f"{info.kv_tokens:,} tokens · {human_bytes(info.kv_bytes)} · blocks of {info.block_size} tokens",

@@ -97,8 +97,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: ProgressCallback | No
     report(progress, f"{description}: tokenizer", 0, None)
     with quiet_transformers(progress, f"{description}: tensors"):
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        if not tokenizer.chat_template:
-            raise ModelLoadError(f"{gguf_path.name} carries no chat template")
         report(progress, f"{description}: metadata", 0, None)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         report(progress, f"{description}: saving", 0, None)

@@ -37,6 +37,7 @@ class ModelInfo:
     source: str = ""  # where the weights came from: "packaged GGUF at ...", "local folder ...", ...
     quantization: str = "none"
     decode: str = "module forward"  # how single tokens decode: compiled graph, lean step, module forward
+    reuse: str = "exact, reposition, repair"  # the reuse modes the model runs, and why not the others
 
 
 def model_info(

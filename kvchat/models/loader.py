@@ -22,16 +22,17 @@ from kvchat.config import ModelSettings
 from kvchat.errors import KvchatError, ModelLoadError
 from kvchat.models import quantized_cache
 from kvchat.models.device import apply_threads, choose_device, choose_dtype
-from kvchat.models.gguf import ensure_gguf_converted
+from kvchat.models.gguf import converted_gguf_dir, ensure_gguf_converted, is_converted
 from kvchat.models.gguf_quant import GGUFInt4Layers
 from kvchat.models.packaged import ensure_converted, is_packaged_file, packaged_gguf
-from kvchat.models.progress import ProgressCallback, quiet_transformers, report
+from kvchat.models.progress import ProgressCallback, quiet_transformers, report, tell
 from kvchat.models.quantize import QuantizeReport, quantize_model
 from kvchat.models.sources import ModelSource, resolve_model
 from kvchat.native import kernels
 
 __all__ = [
     "LoadedModel",
+    "PreparedModel",
     "ModelSource",
     "ProgressCallback",
     "apply_threads",
@@ -60,12 +61,54 @@ class LoadedModel:
     quantization: QuantizeReport | None = None
 
 
-def load_model(settings: ModelSettings, progress: ProgressCallback | None = None) -> LoadedModel:
-    """Resolve `settings.model`, load it in the chosen dtype onto the chosen device, set CPU threads."""
+@dataclass(frozen=True)
+class PreparedModel:
+    """A model's source made ready to load (a GGUF converted, the hub's cache checked) and its
+    tokenizer, loaded first: the chat template is settled before the weights load."""
+
+    source: ModelSource
+    location: str  # the folder or hub id that the tokenizer and the weights load from
+    local_only: bool
+    tokenizer: PreTrainedTokenizerBase
+    told_no_template: bool = False  # a GGUF without one: said before its conversion
+
+
+def prepare_model(settings: ModelSettings, progress: ProgressCallback | None = None) -> PreparedModel:
+    """Resolve `settings.model`, convert a GGUF on first use, and load the tokenizer."""
     source = resolve_model(settings.model)
+    told = False
+    if source.kind == "gguf" and not settings.chat_template and _converts_first(Path(source.location)):
+        told = not has_chat_template(Path(source.location))
+        if told:  # said before the conversion's long minutes
+            tell(progress, no_template_note(source.model_id))
+    folder = _converted_folder(source, progress)
+    if folder is not None:
+        location, local_only = str(folder), True
+    elif source.kind == "local":
+        location, local_only = source.location, True
+    else:
+        location, local_only = source.location, _hub_is_cached(source.location)
+    with quiet_transformers():
+        tokenizer = _load_part(AutoTokenizer, location, source, local_only)
+    return PreparedModel(source, location, local_only, tokenizer, told)
+
+
+def no_template_note(model_id: str) -> str:
+    return (
+        f"{model_id} has no chat template: kvchat uses a generic one (ChatML); "
+        "--chat-template NAME|FILE picks another"
+    )
+
+
+def load_model(
+    settings: ModelSettings, progress: ProgressCallback | None = None, prepared: PreparedModel | None = None
+) -> LoadedModel:
+    """Load the model `settings.model` names (prepared by `prepare_model` unless given) in the chosen
+    dtype onto the chosen device, set CPU threads."""
+    prepared = prepared or prepare_model(settings, progress)
+    source, tokenizer = prepared.source, prepared.tokenizer
     device = choose_device(settings.device)
     apply_threads(settings.threads)
-    folder = _converted_folder(source, progress)
     dtype = choose_dtype(settings.dtype, device)
     if device.type == "cpu":  # before quantizing: layers take kvchat's layout where its kernels are built
         report(progress, kernels.LOADING, 0, 1)
@@ -74,18 +117,14 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     description = f"loading {source.model_id}"
     report(progress, description, 0, 1)
     with quiet_transformers():
-        if folder is not None:
-            model, tokenizer = _load_pretrained(str(folder), dtype, local_files_only=True)
-        elif source.kind == "local":
-            model, tokenizer = _load_pretrained(source.location, dtype, local_files_only=True)
-        else:
-            model, tokenizer = _load_hub(source.location, dtype)
+        model = _load_part(AutoModelForCausalLM, prepared.location, source, prepared.local_only, dtype=dtype)
     try:
         model.to(device)  # type: ignore[arg-type]  # transformers types `to` for a model argument
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
     report(progress, description, 1, 1)  # quantizing, a stage of its own, comes after
+    folder = Path(prepared.location) if source.kind in ("packaged", "gguf") else None
     quantization = apply_quantize(model, settings.quantize, source, folder, progress, settings.quant_cache)
     eos_ids = eos_token_ids(model, tokenizer)
     if not eos_ids:
@@ -100,6 +139,20 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
         fingerprint=compute_fingerprint(source.model_id, model.config, quantization_tag(quantization)),
         quantization=quantization,
     )
+
+
+def _converts_first(gguf_path: Path) -> bool:
+    return not is_packaged_file(gguf_path) and not is_converted(converted_gguf_dir(gguf_path))
+
+
+def has_chat_template(gguf_path: Path) -> bool:
+    """Whether a GGUF file's metadata carries a chat template (read without loading its tokenizer)."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(gguf_path).get_field("tokenizer.chat_template") is not None
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not read {gguf_path}: {_first_line(exc)}") from exc
 
 
 def _converted_folder(source: ModelSource, progress: ProgressCallback | None) -> Path | None:
@@ -192,41 +245,34 @@ def compute_fingerprint(model_id: str, config: PretrainedConfig, quantize: str =
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _load_pretrained(
-    location: str, dtype: torch.dtype, local_files_only: bool, gguf_file: str | None = None
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    options: dict[str, object] = {"local_files_only": local_files_only}
-    if gguf_file is not None:
-        options["gguf_file"] = gguf_file
-    name = f"{location}/{gguf_file}" if gguf_file else location
+def _load_part(loader, location: str, source: ModelSource, local_only: bool, **options: object):
+    """The tokenizer or the weights (`loader`'s from_pretrained) from `location`."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location, **options)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **options)
+        return loader.from_pretrained(location, local_files_only=local_only, **options)
     except KvchatError:
         raise
     except Exception as exc:
-        raise ModelLoadError(f"could not load {name}: {_first_line(exc)}") from exc
-    return model, tokenizer
+        problem = f"could not load {location}: {_first_line(exc)}"
+        if source.kind == "hub" and not local_only:
+            problem = _not_cached_message(location, f"downloading it failed: {problem}")
+        raise ModelLoadError(problem) from exc
 
 
-def _load_hub(hub_id: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load from the HF cache; download only when not cached and the hub may be reached."""
+def _hub_is_cached(hub_id: str) -> bool:
+    """Whether a hub model loads from the HF cache; else check that it can be downloaded: one quick
+    request first, since a download without network retries for ~45 s before failing."""
     cached = huggingface_hub.try_to_load_from_cache(hub_id, "config.json")
     if isinstance(cached, str):
-        return _load_pretrained(hub_id, dtype, local_files_only=True)
+        return True
     if is_offline():
         raise ModelLoadError(_not_cached_message(hub_id, "offline mode (HF_HUB_OFFLINE) is on"))
-    # One quick request first: a download without network retries for ~45 s before failing.
     try:
         huggingface_hub.model_info(hub_id, timeout=10)
     except Exception as exc:
         raise ModelLoadError(
             _not_cached_message(hub_id, f"the hub did not answer ({_first_line(exc)})")
         ) from exc
-    try:
-        return _load_pretrained(hub_id, dtype, local_files_only=False)
-    except ModelLoadError as exc:
-        raise ModelLoadError(_not_cached_message(hub_id, f"downloading it failed: {exc}")) from exc
+    return False
 
 
 def is_offline() -> bool:

@@ -19,6 +19,14 @@ class ProgressCallback(Protocol):
     def __call__(self, description: str, completed: float, total: float | None) -> None: ...
 
 
+NOTE = "note: "  # a description that starts so is a line to tell the user, not a stage
+
+
+def tell(progress: ProgressCallback | None, message: str) -> None:
+    """Pass one line for the user (a choice kvchat made while loading) through `progress`."""
+    report(progress, NOTE + message, 1, 1)
+
+
 def report(
     progress: ProgressCallback | None, description: str, completed: float, total: float | None
 ) -> None:
