@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 from kvchat.chunks.context import ContextManager
 from kvchat.chunks.rendering import Part
 from kvchat.chunks.template import ChatFormat
-from kvchat.chunks.types import ReuseMode
+from kvchat.chunks.types import ReuseMode, Role
 from kvchat.engine.engine import Engine
 from kvchat.engine.rope import KeyRotation, refusal
 from kvchat.engine.sampling import SamplingParams
@@ -157,18 +157,19 @@ def assert_rotation_matches_the_model(model, name: str) -> None:
     takes_type = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
     for layer, key in enumerate(rotation.layer_keys):
         extra = (key,) if takes_type else ()
-
-        def cos_sin(positions: list[int]):
-            cos, sin = base.rotary_emb(keys, torch.tensor([[0, *positions]]), *extra)
-            scale = cos[:, :1, :1]
-            return cos[:, 1:] / scale, sin[:, 1:] / scale  # (1, T, rot) each, the attention factor out
-
-        cos_old, sin_old = cos_sin(list(range(3, 8)))
-        cos_new, sin_new = cos_sin(list(range(43, 48)))
+        cos_old, sin_old = _cos_sin(base.rotary_emb, list(range(3, 8)), extra)
+        cos_new, sin_new = _cos_sin(base.rotary_emb, list(range(43, 48)), extra)
         k = keys[layer].transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
         _, unrotated = apply(k, k, cos_old, -sin_old)
         _, expected = apply(unrotated, unrotated, cos_new, sin_new)
         torch.testing.assert_close(moved[layer], expected[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def _cos_sin(rotary, positions: list[int], extra: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's cos and sin (1, T, rot) at `positions`, the attention factor (YaRN's) divided out."""
+    cos, sin = rotary(torch.zeros(1), torch.tensor([[0, *positions]]), *extra)
+    scale = cos[:, :1, :1]
+    return cos[:, 1:] / scale, sin[:, 1:] / scale
 
 
 @pytest.mark.parametrize(
@@ -201,3 +202,69 @@ def test_dynamic_ntk_refuses_moving_keys_by_name() -> None:
     assert cm.mode is ReuseMode.EXACT
     assert runnable_modes(cm, list(ReuseMode)) == [ReuseMode.EXACT]  # /compare answers in exact alone
     assert "exact only" in cm.model_info().reuse
+
+
+def test_chat_template_names_a_builtin_or_a_file(tmp_path) -> None:
+    from kvchat.chunks.template import CHATML_TEMPLATE, read_template
+    from kvchat.errors import ChunkError
+
+    assert read_template("ChatML") == (CHATML_TEMPLATE, "generic chatml (--chat-template)")
+    path = tmp_path / "gemma.jinja"
+    path.write_text(family_template("gemma3") or "")
+    text, source = read_template(str(path))
+    assert text == path.read_text() and str(path) in source
+    fmt = ChatFormat(family_tokenizer("gemma3"), text, source)
+    assert "Gemma" in fmt.describe() and str(path) in fmt.describe()
+    with pytest.raises(ChunkError, match="no such built-in"):
+        read_template(str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.slow
+def test_a_gguf_without_chat_template_starts_with_the_generic_one_and_says_so(tmp_path, monkeypatch) -> None:
+    import subprocess
+    import sys
+
+    from kvchat.config import Settings, replace_setting
+    from kvchat.models.packaged import packaged_gguf
+    from kvchat.session import open_session
+
+    stripped = tmp_path / "no-template.gguf"
+    subprocess.run(
+        [sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--force",
+         "--remove-metadata", "tokenizer.chat_template", str(packaged_gguf()), str(stripped)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    settings = Settings()
+    for key, value in (("model.model", str(stripped)), ("model.device", "cpu"), ("model.threads", "1")):
+        settings = replace_setting(settings, key, value)
+    stages: list[str] = []
+    cm = open_session(settings, progress=lambda description, done, total: stages.append(description))
+    notes = [s for s in stages if s.startswith("note: ")]
+    assert len(notes) == 1 and "no chat template" in notes[0] and "ChatML" in notes[0]
+    assert stages.index(notes[0]) < min(i for i, s in enumerate(stages) if s.startswith("converting"))
+    assert cm.format.uses_fallback_template and "generic ChatML" in cm.model_info().chat_template
+    result = cm.chat_blocking("Hello!", SamplingParams(temperature=0.0, max_tokens=4))
+    assert result.prompt_tokens > 0
+
+
+def test_an_answer_ending_in_whitespace_leaves_the_history_the_template_renders(family) -> None:
+    # An answer cut by --max-tokens can end in a space or a newline; Gemma's and Llama 3's templates trim
+    # it. The next prompt is what the template renders for the answer's text, whatever it trims.
+    name, model, tokenizer, fmt = family
+    cm = manager(model, tokenizer, fmt)
+    cm.set_system(SYSTEM)
+    question = cm.register(Role.USER, "Hi?", unique=True)
+    answer_ids = [*fmt.generation_prompt_ids, *tokenizer.encode("Sure. \n", add_special_tokens=False)]
+    answer = cm.registry.add_output(
+        "Sure.", answer_ids + list(fmt.assistant_close_ids), finish_reason="length"
+    )
+    cm.turns = [question.chunk_id, answer.chunk_id]
+    parts = [
+        Part("system", SYSTEM),
+        Part("user", "Hi?"),
+        Part("assistant", "Sure. \n"),
+        Part("user", "More?"),
+    ]
+    turn = cm.register(Role.USER, "More?", unique=True)
+    assert cm.placement(turn=turn).token_ids == templated(tokenizer, fmt, parts), name
