@@ -13,11 +13,11 @@ from kvchat.chunks import describe, persist
 from kvchat.chunks.chunk import Chunk, ChunkRegistry
 from kvchat.chunks.compose import NO_REPAIR, ComposedSequence, RepairPolicy
 from kvchat.chunks.context_file import save_session, stage_session
+from kvchat.chunks.context_placement import ContextPlacement
 from kvchat.chunks.context_views import ContextViews
-from kvchat.chunks.describe import kept_span
 from kvchat.chunks.inference import Inference, Setup
-from kvchat.chunks.placement import Placement, place
-from kvchat.chunks.rendering import Part, Rendering
+from kvchat.chunks.placement import Placement
+from kvchat.chunks.rendering import Rendering
 from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.retry import answer_to_retry
 from kvchat.chunks.template import ChatFormat
@@ -36,16 +36,8 @@ from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import CacheFullError, ChunkError
 
-_TEMPLATE_ROLE = {
-    Role.SYSTEM: "system",
-    Role.CONTEXT: "user",
-    Role.QUERY: "user",
-    Role.USER: "user",
-}
-_NUM_RENDERINGS_KEPT = 16
 
-
-class ContextManager(ContextViews):
+class ContextManager(ContextPlacement, ContextViews):
     """Keeps chunks, composes the context (system, context and outputs, turns, query) and runs it."""
 
     def __init__(
@@ -159,57 +151,6 @@ class ContextManager(ContextViews):
         """The chunks the next inference sees, in the conversation's order; what the template writes first
         when no system prompt is set stands in explicitly."""
         return self.placement(with_query, strict=False).sources
-
-    def placement(self, with_query: bool = True, turn: Chunk | None = None, strict: bool = True) -> Placement:
-        """The context (with the query, or with a new user `turn` instead) as the chat template renders
-        it, each chunk's ids there. A chunk whose KV is not kept takes those ids as its own. Unless
-        `strict`, a context the template cannot render (a system prompt alone) is shown with the chunks'
-        own ids."""
-        last = [turn.chunk_id] if turn else [self.query] if with_query and self.query else []
-        ids = ([self.system] if self.system else []) + self.middle + self.turns + last
-        chunks = [self.registry.chunks[i] for i in ids]
-        lead = None if self.system else self._template_lead()
-        try:
-            placement = place(self._render(chunks), chunks, lead) if chunks else None
-        except ChunkError:
-            if strict:
-                raise
-            placement = None
-        if placement is None:
-            listed = ([lead] if lead else []) + chunks
-            return Placement(listed, [list(c.token_ids) for c in listed], [], listed)
-        for chunk, piece in zip(placement.chunks, placement.piece_ids, strict=True):
-            if chunk.token_ids != piece and kept_span(chunk, self.engine.blocks) is None:
-                chunk.token_ids = list(piece)
-        return placement
-
-    def _render(self, chunks: list[Chunk]) -> Rendering:
-        parts = [self._part(c) for c in chunks]
-        key = tuple((c.chunk_id, p.role) for c, p in zip(chunks, parts, strict=True))
-        rendering = self._renderings.get(key)
-        if rendering is None:
-            if len(self._renderings) >= _NUM_RENDERINGS_KEPT:
-                self._renderings.clear()
-            rendering = self._renderings[key] = self.format.render(parts)
-        return rendering
-
-    def _part(self, chunk: Chunk) -> Part:
-        """A chunk as a part of the conversation: an answer is an assistant message in the turns (and
-        among the context where the template takes one between user messages), else user text."""
-        if chunk.role is not Role.OUTPUT:
-            return Part(_TEMPLATE_ROLE[chunk.role], chunk.text)
-        text = self.format.answer_text(chunk.token_ids, self.eos_token_ids)
-        as_turn = chunk.chunk_id in self.turns or not self.format.layout.joins_users
-        return Part("assistant" if as_turn else "user", text)
-
-    def _template_lead(self) -> Chunk | None:
-        """The chunk for what the template writes before a conversation without a system message: its
-        default system prompt (Qwen2.5's), or what opens the text (a BOS, Llama 3's dated header)."""
-        ids = list(self.format.lead_ids)
-        if not ids:
-            return None
-        text = self.format.default_system_prompt or self.tokenizer.decode(ids)
-        return self.registry.add(Role.SYSTEM, text, ids, is_default=True)
 
     # -- inference ---------------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ from kvchat.chunks.rendering import (
     token_bounds,
 )
 from kvchat.errors import ChunkError
+from kvchat.models.info import family_of
 
 ROLES = ("system", "user", "assistant")
 
@@ -143,7 +144,7 @@ class ChatFormat:
 
     def describe(self) -> str:
         """The template for /info: its family by its markers, and where it came from."""
-        return f"{template_family(self.template)}, {self.source}"
+        return f"{family_of(self.template)}, {self.source}"
 
     # -- probing -----------------------------------------------------------------------------------
 
@@ -330,20 +331,3 @@ def _special_texts(tokenizer: Any) -> set[str]:
         if getattr(token, "special", False):
             texts.add(str(token.content))
     return texts
-
-
-# Markers of the common chat template families, checked in order against the template's text.
-_TEMPLATE_FAMILIES = (
-    ("<|im_start|>", "ChatML"),
-    ("<|start_header_id|>", "Llama 3"),
-    ("[INST]", "Llama 2 / Mistral"),
-    ("<start_of_turn>", "Gemma"),
-    ("<|start_of_role|>", "Granite"),
-    ("<|user|>", "Phi / Zephyr"),
-)
-
-
-def template_family(template: str) -> str:
-    """A chat template's family by its markers."""
-    found = (family for marker_text, family in _TEMPLATE_FAMILIES if marker_text in template)
-    return next(found, "own format")

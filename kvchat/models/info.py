@@ -13,6 +13,8 @@ _TEMPLATE_FAMILIES = (
     ("<|start_header_id|>", "Llama 3"),
     ("[INST]", "Llama 2 / Mistral"),
     ("<start_of_turn>", "Gemma"),
+    ("<|start_of_role|>", "Granite"),
+    ("<|user|>", "Phi / Zephyr"),
 )
 
 
@@ -120,7 +122,10 @@ def template_family(template: str | None) -> str:
     """A chat template's family by its markers, or what stands in for a missing one."""
     if not template:
         return "none (kvchat's plain fallback)"
-    for marker, family in _TEMPLATE_FAMILIES:
-        if marker in template:
-            return f"{family} (the tokenizer's own)"
-    return "the tokenizer's own"
+    family = family_of(template)
+    return "the tokenizer's own" if family == "own format" else f"{family} (the tokenizer's own)"
+
+
+def family_of(template: str) -> str:
+    """A chat template's family by its markers ("own format" when none is known)."""
+    return next((family for marker, family in _TEMPLATE_FAMILIES if marker in template), "own format")
