@@ -19,7 +19,9 @@ from pathlib import Path
 from bench_report import load_results, readme_table, results_section
 
 from kvchat.cli.commands import Shell
+from kvchat.cli.settings import shown_value
 from kvchat.config import Settings
+from kvchat.settings_schema import all_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS_PAGE = ROOT / "docs" / "commands.md"
@@ -37,20 +39,50 @@ def commands_page() -> str:
     lines = [
         "# Commands",
         "",
-        "Type these at kvchat's prompt (Tab completes them), or put them in a file for `kvchat run FILE`.",
-        "Anything that does not start with `/` is a chat message. `/help COMMAND` shows the same help",
-        "as this page, which `scripts/make_docs.py` writes from it.",
+        "Type these at kvchat's prompt, or put them in a file for `kvchat run FILE`",
+        "([scripts](scripting.md)). Anything that does not start with `/` is a chat message.",
+        "`/help COMMAND` shows the same help as this page, which `scripts/make_docs.py` writes from it.",
+        "",
+        "At the prompt: Tab completes commands, output numbers, chunk ids, setting keys and file names.",
+        'Enter sends the line; Alt-Enter (or Esc, Enter) starts a new one, as does Enter inside `"""`',
+        "fences. Ctrl-C stops an answer within a token and keeps what came (marked truncated), or clears",
+        "the line; Ctrl-D quits. Keys typed while an answer streams wait for the next prompt. The input",
+        "history is kept in `~/.local/share/kvchat/history` (`ui.history_file`). The toolbar shows the",
+        "model, the KV cache in use (tokens and blocks) and the reuse mode.",
         "",
         "| command | what it does |",
         "|---|---|",
     ]
-    lines += [f"| [`{c.synopsis}`](#{c.name}) | {c.summary} |" for c in commands]
+    # A | in a table cell, even in code, ends the cell unless escaped.
+    lines += [f"| [`{c.synopsis.replace('|', chr(92) + '|')}`](#{c.name}) | {c.summary} |" for c in commands]
     for cmd in commands:
         aliases = f" (also {', '.join('`/' + a + '`' for a in cmd.aliases)})" if cmd.aliases else ""
         lines += ["", f"## {cmd.name}", "", f"`{cmd.synopsis}`{aliases}: {cmd.summary}."]
         if cmd.details:
             lines += ["", "```text", cmd.details.rstrip(), "```"]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *settings_section()]) + "\n"
+
+
+def settings_section() -> list[str]:
+    """Every setting `/set` takes, as settings_schema declares it."""
+    lines = [
+        "",
+        "## Settings",
+        "",
+        "`/set KEY VALUE` changes one for the session (`live`: at once; the others at the next start, as",
+        "`/set` says); the flag sets it for one run; [`configs/default.toml`](../configs/default.toml) has",
+        "every default, and your config file keeps yours.",
+        "",
+        "| key | default | flag | live | what it does |",
+        "|---|---|---|---|---|",
+    ]
+    for info in all_settings().values():
+        default = "unset" if info.default is None else shown_value(info.default)
+        text = " ".join(x for x in (info.spec.help, info.spec.detail) if x).replace("|", chr(92) + "|")
+        flag = f"`{info.spec.flag}`" if info.spec.flag else ""
+        live = "yes" if info.spec.live else ""
+        lines.append(f"| `{info.key}` | `{default}` | {flag} | {live} | {text} |")
+    return lines
 
 
 def between(text: str, marks: tuple[str, str], body: str) -> str:
