@@ -14,9 +14,9 @@ from tests.tiny_models import make_tiny_model
 pytestmark = pytest.mark.slow  # kvchat in subprocesses and a pseudo-terminal, on real models
 
 KVCHAT = [sys.executable, "-m", "kvchat"]
-# Seconds after which a kvchat process is taken to hang: far past any start, kernel builds included, on
-# the slowest machine, so that only a hang reaches it.
-HANG = 1800
+# Seconds after which a kvchat process is taken to hang: several times a first start with its kernel
+# build on a busy machine, so that only a hang reaches it.
+HANG = 900
 
 
 @pytest.fixture(scope="module")
@@ -174,9 +174,10 @@ def test_interactive_terminal(tmp_path):
         child.send("\r")
         child.expect("delete-output")
         child.expect("›")
-        child.send("Write a very long story about a lighthouse keeper.\r")
-        child.expect(r"keeper\.[^\n]*\n")  # the line as entered (its echo while typing ends no line)
-        child.expect(r"[A-Za-z]{2,} [A-Za-z]{2,} ")  # words of the answer (no escape code has a space)
+        # No three words of three letters in a row here, nor in the toolbar or an escape code: once
+        # they appear, the answer is streaming (a Ctrl-C before Enter is read would clear the line).
+        child.send("Write a story, as long as you can, about a lighthouse keeper.\r")
+        child.expect(r"[A-Za-z]{3,} [A-Za-z]{3,} [A-Za-z]{3,} ")
         child.sendintr()  # Ctrl-C stops it and keeps what came
         child.expect("cancelled")
         child.expect("›")
