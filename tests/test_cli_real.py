@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -155,6 +156,12 @@ def test_packaged_smollm2_answers_and_reuses(tmp_path):
     assert second["computed_tokens"] == 1 and first["finish_reason"] == "stop"
 
 
+def default_interrupt() -> None:
+    """Ctrl-C as a shell gives it: a process inherits an ignored SIGINT, and kvchat would then never
+    see one (this test process may be left ignoring it by what ran in it before)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interactive_terminal(tmp_path):
     # An answer that cannot end before the Ctrl-C, however fast the machine: no end token is picked and
     # max_tokens is as long as the model's positions allow. The Ctrl-C follows the answer's first words.
@@ -168,6 +175,7 @@ def test_interactive_terminal(tmp_path):
         timeout=HANG,
         dimensions=(40, 120),
         encoding="utf-8",
+        preexec_fn=default_interrupt,
     )
     try:
         child.expect("›")
