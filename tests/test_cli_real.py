@@ -157,8 +157,8 @@ def test_packaged_smollm2_answers_and_reuses(tmp_path):
 
 
 def default_interrupt() -> None:
-    """Ctrl-C as a shell gives it: a process inherits an ignored SIGINT, and kvchat would then never
-    see one (this test process may be left ignoring it by what ran in it before)."""
+    """Ctrl-C as an interactive shell gives it. A process inherits an ignored SIGINT (a test run that a
+    non-interactive shell started in the background has one), and kvchat would then never see one."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
