@@ -175,7 +175,13 @@ SAMPLING_SPECS: dict[str, Spec] = {
     "stop": Spec(
         "Strings that end an answer (`none` clears them).",
         live=True,
-        detail="The model's own end-of-turn tokens always do.",
+        detail="The model's own end-of-turn tokens always do (unless ignore_eos).",
+    ),
+    "ignore_eos": Spec(
+        "Run every answer to max_tokens: end-of-turn tokens are never picked and stop strings do not end it.",
+        live=True,
+        flag="--ignore-eos",
+        detail="For measuring: an answer of exactly max_tokens tokens, whatever the model would say.",
     ),
 }
 

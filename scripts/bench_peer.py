@@ -4,6 +4,9 @@ side in one run, one thread, greedy, the variants taking turns:
     python scripts/bench_peer.py                      # every part, ~12 minutes on a quiet machine
     python scripts/bench_peer.py --parts decode --contexts 50 --variants kvchat-bf16 llama-BF16
 
+`--json FILE` also writes every measurement (each repeat's rate) to FILE, which
+scripts/make_docs.py turns into docs/benchmarks.md's results and the README's table.
+
 Variants: kvchat-<bf16|fp32>[-int8|-int4|-int4-g128][-compiled][-spec] (a quantized kind needs
 kvchat.models.quantize; -compiled decodes through the compiled graph, --compile; -spec drafts by prompt
 lookup; for big, kvchat-bf16-int4-head-int8 too: the output layer int8, not rescored) and
@@ -22,8 +25,11 @@ by window, which the machine's drift moves least; ~13 GB of memory for bf16, int
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
+import json
 import statistics
+import sys
 import time
 
 import torch
@@ -50,6 +56,8 @@ DEFAULT_VARIANTS = [
     "llama-Q8_0",
     "llama-Q4_1",
 ]
+# What --json writes: each part's measurements as they are taken.
+RESULTS: dict[str, list[dict]] = {"decode": [], "ttft": [], "big": [], "bandwidth_gb_s": []}
 
 
 def chat_ids(tokenizer, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
@@ -109,6 +117,9 @@ def run_decode(runners: dict[str, Runner], tokenizer, args) -> None:
             for _ in range(args.repeats):
                 for name, runner in runners.items():
                     rates[name].append(runner.decode(prompt, args.tokens))
+            for name, rs in rates.items():
+                record = {"context": len(prompt), "prompt": kind, "variant": name, "tok_s": rs}
+                RESULTS["decode"].append(record)
             base = rates.get(args.baseline)
             for name, rs in rates.items():
                 ratio = statistics.median(r / b for r, b in zip(rs, base, strict=True)) if base else 0
@@ -135,6 +146,9 @@ def run_ttft(runners: dict[str, Runner], tokenizer, args) -> None:
         for name, runner in timed.items():
             cold[name].append(runner.ttft_cold(first_ids))
             warm[name].append(runner.ttft_turn2(turn1_ids, turn2_ids))
+    for name in timed:
+        times = {"cold_s": cold[name], "turn2_s": warm[name]}
+        RESULTS["ttft"].append({"variant": name, "tokens": len(first_ids), **times})
     rows = [
         f"| {name} | {statistics.median(cold[name]):.2f} | {statistics.median(warm[name]):.3f} |"
         for name in timed
@@ -183,7 +197,9 @@ def run_big(args) -> None:
             compiled = kind.endswith("-compiled")
             runner = KvchatRunner(make_big_model(kind), None, False, compile_decode=compiled)
         runner.decode(prompt, 2)
-        rates[name] = statistics.median(runner.decode(prompt, args.big_tokens) for _ in range(args.repeats))
+        runs = [runner.decode(prompt, args.big_tokens) for _ in range(args.repeats)]
+        RESULTS["big"].append({"context": len(prompt), "variant": name, "tok_s": runs})
+        rates[name] = statistics.median(runs)
         bytes_read[name] = runner.weight_bytes
         del runner
         gc.collect()
@@ -271,23 +287,37 @@ def main() -> None:
     parser.add_argument(
         "--big-ttft-tokens", type=int, default=0, help="big-turns: a cold prefill too (0: none)"
     )
+    parser.add_argument("--json", metavar="FILE", help="also write every measurement to FILE")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(machine())
     tokenizer = AutoTokenizer.from_pretrained(ensure_converted())
     runners = make_runners(args.variants, tokenizer) if {"decode", "ttft"} & set(args.parts) else {}
     if "bandwidth" in args.parts:
-        print(f"one-thread read bandwidth: {read_bandwidth():.1f} GB/s")
+        RESULTS["bandwidth_gb_s"].append(read_bandwidth())
+        print(f"one-thread read bandwidth: {RESULTS['bandwidth_gb_s'][-1]:.1f} GB/s")
     if "decode" in args.parts:
         run_decode(runners, tokenizer, args)
     if "ttft" in args.parts:
         run_ttft(runners, tokenizer, args)
     if "bandwidth" in args.parts:
-        print(f"\none-thread read bandwidth, again: {read_bandwidth():.1f} GB/s")
+        RESULTS["bandwidth_gb_s"].append(read_bandwidth())
+        print(f"\none-thread read bandwidth, again: {RESULTS['bandwidth_gb_s'][-1]:.1f} GB/s")
     if "big" in args.parts:
         run_big(args)
     if "big-turns" in args.parts:
         run_big_turns(args)
+    if args.json:
+        write_json(args.json)
+
+
+def write_json(path: str) -> None:
+    """The run's measurements, the machine and the day, as scripts/make_docs.py reads them."""
+    record = {"date": datetime.date.today().isoformat(), "machine": machine().removeprefix("machine: ")}
+    record["command"] = " ".join(["python", "scripts/bench_peer.py", *sys.argv[1:]])
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump({**record, **RESULTS}, out, indent=1)
+        out.write("\n")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,12 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# No example may fail for taking long: hypothesis's deadline (200 ms an example) and its check that
+# data is drawn quickly both fail a test on a slow or busy machine, whatever the code does.
+settings.register_profile("kvchat", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvchat")
 
 
 @pytest.fixture(autouse=True, scope="session")

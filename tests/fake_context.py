@@ -8,7 +8,6 @@ third step.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Generator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,7 +46,6 @@ class Response:
     text: str
     thinking: str = ""
     interrupt_at: int | None = None  # step at which a Ctrl-C reaches the generator itself
-    delay_s: float = 0.0  # "compute" time per step, for tests through a real terminal
 
 
 @dataclass
@@ -162,6 +160,9 @@ class FakeContextManager(ContextManagerContract):
         self._hits = self._lookups = 0
         self.clear()
 
+    def evict_cached(self) -> int:
+        return 0  # the fake keeps no KV beyond its chunks
+
     def chunks(self) -> list[ChunkInfo]:
         return [self._info(chunk_id) for chunk_id in self._chunks]
 
@@ -227,7 +228,6 @@ class FakeContextManager(ContextManagerContract):
             for step, word in enumerate(words):
                 if step == response.interrupt_at:
                     raise KeyboardInterrupt  # Ctrl-C while "computing": caught here, as the contract says
-                time.sleep(response.delay_s)
                 delta = word if step == 0 else " " + word
                 kept.append(delta)
                 yield fake_step(delta, "", step, step + 1)

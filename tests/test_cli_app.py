@@ -127,11 +127,11 @@ def test_run_file_takes_the_options_before_or_after_it(tmp_path, before_run):
 def test_run_flags_win_over_the_same_flags_before_run(tmp_path):
     script = tmp_path / "cmds.kv"
     script.write_text("/stats\n", encoding="utf-8")
-    args = ["--model", "first", "--temperature", "0.5", "--json", "run", str(script), "--model", "second"]
-    result, factory = invoke([*args, "--temperature", "0"])
+    before = ["--model", "org/first", "--temperature", "0.5", "--json"]
+    result, factory = invoke([*before, "run", str(script), "--model", "org/second", "--temperature", "0"])
     assert result.exit_code == 0
     values = setting_values(factory.settings)
-    assert values["model.model"] == "second" and values["sampling.temperature"] == 0.0
+    assert values["model.model"] == "org/second" and values["sampling.temperature"] == 0.0
     assert json.loads(result.stdout)["cmd"] == "stats"  # --json before `run` still counts
 
 
@@ -291,6 +291,14 @@ def test_help_shows_switches_as_switches():
     result, _ = invoke(["--help"], env={"COLUMNS": "160"})
     assert "<bool>" not in result.stdout
     assert "--json" in result.stdout and "--min-p" in result.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"]])
+def test_help_into_a_pipe_is_wide_enough_to_cut_no_value(args):
+    result, _ = invoke(args, env={"COLUMNS": None, "TERMINAL_WIDTH": None})
+    lines = result.stdout.splitlines()
+    assert result.exit_code == 0 and max(map(len, lines)) == app_module.HELP_WIDTH
+    assert "…" not in result.stdout and "~/.config/kvchat/config.toml" in result.stdout
 
 
 @pytest.mark.parametrize("args", [["--help"], ["run", "--help"]])

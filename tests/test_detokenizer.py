@@ -144,15 +144,19 @@ def test_finish_flushes_a_dangling_partial_character(qwen):
     assert detok.finish() == ("", "")
 
 
+# Module fixtures are fine here (the tokenizers are read-only); so is a busy machine's slow drawing.
+FIXTURES_AND_SLOW = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+
+
 @pytest.mark.slow  # many hypothesis examples
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=FIXTURES_AND_SLOW)
 @given(text=st.text(max_size=60))
 def test_property_random_text(tokenizer, text):
     ids = encode(tokenizer, text)
     assert "".join(stream(Recording(tokenizer), ids)[0]) == tokenizer.decode(ids)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=FIXTURES_AND_SLOW)
 @given(data=st.data())
 def test_property_random_byte_level_ids(qwen, gpt2_style, data):
     # Any ids at all, so also bytes that never complete a character and special tokens in between.

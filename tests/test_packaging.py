@@ -14,11 +14,12 @@ from kvchat.native import kernels
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = [pytest.mark.packaging, pytest.mark.slow]
+HANG = 1800  # seconds after which a step is taken to hang, far past a slow machine's time
 
 
 def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        args, cwd=cwd, capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+        args, cwd=cwd, capture_output=True, text=True, timeout=HANG, env={**os.environ, **env}
     )
 
 

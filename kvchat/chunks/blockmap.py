@@ -138,10 +138,21 @@ def live_chunks(state: ViewState) -> list[Chunk]:
     while True:
         matches = [c for c in candidates if live.token_ids[pos : pos + len(c.token_ids)] == c.token_ids]
         if not matches:
-            return found
+            return _as_the_answer_read_them(state, found)
         chunk = max(matches, key=lambda c: (len(c.token_ids), c.number))  # ties: the newest
         found.append(chunk)
         pos += len(chunk.token_ids)
+
+
+def _as_the_answer_read_them(state: ViewState, found: list[Chunk]) -> list[Chunk]:
+    """Two outputs of the same text match the same tokens, so a place can name the wrong one; when the
+    sequence ends in an answer, the chunks it was generated from say which ones it read."""
+    if not found or found[-1].role is not Role.OUTPUT or not found[-1].source_ids:
+        return found
+    sources = [state.chunk(chunk_id) for chunk_id in found[-1].source_ids]
+    read = [c for c in sources if c is not None]
+    same_tokens = [t for c in read for t in c.token_ids] == [t for c in found[:-1] for t in c.token_ids]
+    return [*read, found[-1]] if len(read) == len(sources) and same_tokens else found
 
 
 def cache_map(cm: ContextManager) -> BlockMap:

@@ -131,6 +131,14 @@ class ContextManager(ContextPlacement, ContextViews):
         self.registry = ChunkRegistry()
         self.engine.blocks.reset_stats()
 
+    def evict_cached(self) -> int:
+        """Drop the KV that no chunk or sequence holds (the draft model's too), so the next prompt
+        computes whatever is not kept; returns the main cache's blocks that held some."""
+        draft_engine = self.speculation.draft_engine
+        if draft_engine is not None:
+            draft_engine.blocks.evict_cached()
+        return self.engine.blocks.evict_cached()
+
     def is_chat_answer(self, number: int) -> bool:
         """Whether output `number` is a turn of the conversation (a /chat answer)."""
         return self.registry.output(number).chunk_id in self.turns

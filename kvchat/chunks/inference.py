@@ -212,6 +212,7 @@ class Inference:
             had_think=output.had_think if output else False,
             drafted_tokens=stats.drafted_tokens if stats else 0,
             accepted_tokens=stats.accepted_tokens if stats else 0,
+            prompt_ids=composed.seq.token_ids[: self.prompt_len] if composed else [],
         )
 
     @property

@@ -91,6 +91,7 @@ class InferenceResult:
     had_think: bool = False
     drafted_tokens: int = 0  # tokens proposed by speculative decoding
     accepted_tokens: int = 0  # of those, the ones the model accepted
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt as the model read it; token_ids follow
 
     @property
     def acceptance(self) -> float:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import inspect
 import io
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
+from typing import IO, TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -23,8 +25,8 @@ from kvchat.cli.repl import make_prompt_session, run_interactive
 from kvchat.cli.script import run_script
 from kvchat.cli.ui import UI
 from kvchat.config import Settings, load_settings
-from kvchat.errors import ConfigError, KvchatError, ModelLoadError, PathError
-from kvchat.models.sources import missing_path
+from kvchat.errors import ConfigError, KvchatError, PathError
+from kvchat.models.sources import resolve_model
 from kvchat.paths import user_path
 from kvchat.settings_schema import all_settings
 from kvchat.settings_spec import SettingInfo
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     SessionFactory = Callable[[Settings, ProgressCallback | None], ContextManager]
 
 EXIT_OK, EXIT_FAILED, EXIT_CANNOT_START = 0, 1, 2
+HELP_WIDTH = 120  # columns of --help where standard output is no terminal
 
 
 @dataclass(frozen=True)
@@ -108,15 +111,39 @@ def setting_flags(flags: dict[str, Any]) -> dict[str, object]:
     return {flag.setting: flags.get(flag.name) for flag in FLAGS if flag.setting}
 
 
-# Both show --help as the switch it is (typer lists its type, `<bool>`, as if it took a value).
+# Both show --help as the switch it is (typer lists its type, `<bool>`, as if it took a value), and lay
+# it out wider than rich's 80 columns where standard output is no terminal.
 class _Group(TyperGroup):
     def get_help_option(self, ctx: Any) -> Any:
         return _as_switch(super().get_help_option(ctx))
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        with _help_width():
+            super().format_help(ctx, formatter)
 
 
 class _Command(TyperCommand):
     def get_help_option(self, ctx: Any) -> Any:
         return _as_switch(super().get_help_option(ctx))
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        with _help_width():
+            super().format_help(ctx, formatter)
+
+
+@contextmanager
+def _help_width() -> Iterator[None]:
+    """Into a pipe or a file rich lays help out 80 columns wide, which cuts long values (a default
+    path, the largest seed) short; there it is HELP_WIDTH wide. COLUMNS, when set, still decides."""
+    import typer.rich_utils as rich_utils
+
+    before = rich_utils.MAX_WIDTH
+    if before is None and not os.environ.get("COLUMNS") and not _is_terminal(sys.stdout):
+        rich_utils.MAX_WIDTH = HELP_WIDTH
+    try:
+        yield
+    finally:
+        rich_utils.MAX_WIDTH = before
 
 
 def _as_switch(option: Any) -> Any:
@@ -234,11 +261,11 @@ def _run(shell: Shell, ui: UI, script: Path | None) -> int:
 
 
 def check_model_paths(settings: Settings) -> None:
-    """A model written as a path that is not there is told at once, before torch is even imported."""
+    """A model that names nothing kvchat can load (an unknown alias, a path that is not there) is told
+    at once, before torch is even imported."""
     for spec in (settings.model.model, settings.model.draft_model):
-        problem = missing_path(spec) if spec else None
-        if problem is not None:
-            raise ModelLoadError(problem)
+        if spec:
+            resolve_model(spec)
 
 
 def _open_real_session(settings: Settings, progress: ProgressCallback | None) -> ContextManager:
@@ -264,8 +291,11 @@ def _history_file(settings: Settings) -> Path | None:
 
 
 def _stdin_is_terminal() -> bool:
-    stdin = sys.stdin
-    return stdin is not None and not stdin.closed and stdin.isatty()
+    return _is_terminal(sys.stdin)
+
+
+def _is_terminal(stream: IO[str] | None) -> bool:
+    return stream is not None and not stream.closed and stream.isatty()
 
 
 def _stdin_bytes() -> BinaryIO:

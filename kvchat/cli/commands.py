@@ -181,11 +181,22 @@ class Shell:
     def reset(self, arg: str) -> Notice:
         """Deletes every chunk and retained output and releases every KV block; the hit counts of /stats
         start again from zero. Settings are kept. Blocks holding exact KV stay in the prefix cache until
-        reused: exact KV depends only on the tokens, so reusing it never changes an answer.
+        reused (exact KV depends only on the tokens, so reusing it never changes an answer); /evict
+        drops them.
         """
         self.ctx.reset()
         cached = self.ctx.stats().num_cached
-        return Notice(f"everything deleted; no block is held ({cached} keep exact KV for reuse)")
+        kept = f"{cached} keep exact KV for reuse; /evict drops it"
+        return Notice(f"everything deleted; no block is held ({kept})")
+
+    @command("evict", "Drop the cached KV that nothing holds, so the next prompt computes it anew")
+    def evict(self, arg: str) -> Notice:
+        """Empties the prefix cache: every block that no chunk, output or the live conversation holds
+        forgets its KV (the draft model's cache too), so the next inference computes what is not kept,
+        as after a fresh start. Held KV stays. After /reset it makes the next answer a cold start.
+        """
+        num_blocks = self.ctx.evict_cached()
+        return Notice(f"{num_blocks} cached blocks dropped", {"num_evicted": num_blocks})
 
     stats = cache_commands.stats
 

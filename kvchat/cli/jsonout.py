@@ -35,10 +35,13 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
       "stop_string", "length", "cancelled"), `mode`, `prompt_tokens`, `reused_tokens`,
       `repositioned_tokens`, `computed_tokens`, `generated_tokens`, `ttft_s`, `prefill_tok_s`,
       `decode_tok_s`, `had_think`, `drafted_tokens` and `accepted_tokens` (speculative decoding),
-      and `chunks`: one object per chunk of the context, with `chunk_id`, `role`, `num_tokens`,
-      `num_reused`, `num_repositioned`, `num_computed`, `num_recomputed` (of the computed ones, tokens
-      whose moved KV repair replaced), then one for the answer prompt (the template's assistant
-      header) with `chunk_id` and `role` null; the rows add up to the totals.
+      `prompt_ids` (the prompt's token ids as the model read them: the chunks in the chat template, then
+      the answer prompt), `output_ids` (the answer's token ids as generated, an end-of-turn token that
+      stopped it included; `generated_tokens` counts them), and `chunks`: one object per chunk of the
+      context, with `chunk_id`, `role`, `num_tokens`, `num_reused`, `num_repositioned`, `num_computed`,
+      `num_recomputed` (of the computed ones, tokens whose moved KV repair replaced), then one for the
+      answer prompt (the template's assistant header) with `chunk_id` and `role` null; the rows add up
+      to the totals.
     - system, context, query, use-output, delete-output, drop: `action` and `chunk`, a chunk object:
       `number`, `chunk_id`, `role`, `text`, `num_tokens`, `num_blocks`, `num_refs`, `place` (1-based
       place in the context or null), `pinned`, `output_number` and `finish_reason` (null unless an
@@ -72,7 +75,7 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
     - info: `info` with `model_id`, `source`, `family`, `architecture`, `num_parameters`, `dtype`,
       `quantization`, `decode`, `reuse`, `context_length`, `chat_template`, `default_system_prompt`,
       `kv_tokens`, `kv_bytes`, `block_size`, `device`, `threads`.
-    - mode: `mode`. save, load: `path`, `num_chunks`. clear, reset: `message`.
+    - mode: `mode`. save, load: `path`, `num_chunks`. clear, reset: `message`. evict: `num_evicted`.
     - help: `commands`, a list of {`name`, `usage`, `summary`, `aliases`}; `/help NAME` adds `command`,
       with `details` (the longer help).
     - quit: nothing more.
@@ -159,7 +162,8 @@ def _fields(record: object) -> dict[str, Any]:
 def _inference_fields(result: InferenceResult) -> dict[str, Any]:
     fields = asdict(result)
     fields["output"] = fields.pop("text")
-    fields["generated_tokens"] = len(fields.pop("token_ids"))
+    fields["output_ids"] = fields.pop("token_ids")
+    fields["generated_tokens"] = len(fields["output_ids"])
     return fields
 
 

@@ -150,6 +150,15 @@ class BlockManager:
             block_ids.append(block_id)
         return block_ids
 
+    def evict_cached(self) -> int:
+        """Forget the KV of every unreferenced block, so that no later prompt reuses it and every old
+        handle on it is invalid; returns how many blocks held some. Referenced blocks keep theirs."""
+        cached = [i for i in self._unreferenced if self.blocks[i].parent_hash is not None]
+        for block_id in cached:
+            self._forget(block_id)
+            self.blocks[block_id].generation += 1
+        return len(cached)
+
     def num_free_empty(self, limit: int) -> int:
         """How many of the next blocks `allocate` hands out (at most `limit`) hold no reusable KV, so that
         taking them evicts nothing."""

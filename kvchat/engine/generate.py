@@ -53,9 +53,11 @@ def generate(
 
     The last sampled token is appended without its KV (nothing reads it unless the caller computes
     it). Closing the generator stops it within one token; the sequence stays consistent. With
-    `speculation`, each forward also checks drafted tokens and may yield several tokens at once.
+    `speculation`, each forward also checks drafted tokens and may yield several tokens at once. With
+    `params.ignore_eos` the answer runs to `max_tokens`: the sampler never picks an end token (nor
+    accepts one drafted), and stop strings do not end it.
     """
-    sampler = make_sampler(params, engine.device)
+    sampler = make_sampler(params, engine.device, eos_token_ids if params.ignore_eos else frozenset())
     ends = _Ends(params, eos_token_ids, detokenizer)
     prompt_tokens, reused = seq.num_tokens, seq.num_computed
     seen = _Seen(seq.token_ids, engine.device) if params.repetition_penalty != 1.0 else None
@@ -118,7 +120,7 @@ class _Ends:
 
     def __init__(self, params: SamplingParams, eos_token_ids: frozenset[int], detokenizer: StreamDetokenizer):
         self.max_tokens, self.eos_token_ids, self.detokenizer = params.max_tokens, eos_token_ids, detokenizer
-        self.stops = StopStrings(params.stop)
+        self.stops = StopStrings(() if params.ignore_eos else params.stop)
 
     def add(self, token: int, num_generated: int) -> tuple[str, str, str | None]:
         """(answer text, thinking text, finish reason or None) of the `num_generated`-th token."""

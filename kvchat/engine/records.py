@@ -23,6 +23,7 @@ class SamplingParams:
     max_tokens: int = 256
     seed: int | None = None  # None: a fresh seed each run
     stop: tuple[str, ...] = ()  # strings that end an answer
+    ignore_eos: bool = False  # run to max_tokens: no end-of-turn token is sampled, no stop string ends it
 
     def problem(self) -> str | None:
         """Why the sampler cannot run these values, or None."""

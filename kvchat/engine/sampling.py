@@ -80,15 +80,20 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 class Sampler:
     """Chooses the next token from the last position's logits; build it with `make_sampler`."""
 
-    def __init__(self, params: SamplingParams, generator: torch.Generator) -> None:
+    def __init__(
+        self, params: SamplingParams, generator: torch.Generator, banned_ids: frozenset[int] = frozenset()
+    ) -> None:
         self.params = params
         self.generator = generator
+        self.banned_ids = torch.tensor(sorted(banned_ids), dtype=torch.long, device=generator.device)  # (B,)
 
     def process(self, logits: torch.Tensor, seen_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The logits (V,) as the sampler draws from them: penalized, then (unless greedy) tempered and
         filtered; `seen_ids` (T,) are the prompt and output ids so far."""
         p = self.params
         x = logits.float()  # (V,) no copy when already fp32: every step below returns a new tensor
+        if self.banned_ids.numel() > 0:  # never drawn, never accepted as a draft
+            x = x.index_fill(0, self.banned_ids, -math.inf)  # (V,)
         if p.repetition_penalty != 1.0 and seen_ids is not None and seen_ids.numel() > 0:
             x = apply_repetition_penalty(x, seen_ids, p.repetition_penalty)
         if p.temperature == 0.0:
@@ -136,8 +141,11 @@ class Sampler:
         return int(torch.minimum(token, last))
 
 
-def make_sampler(params: SamplingParams, device: torch.device | str = "cpu") -> Sampler:
-    """Validate `params` (ValueError) and build the sampler, with its generator seeded once."""
+def make_sampler(
+    params: SamplingParams, device: torch.device | str = "cpu", banned_ids: frozenset[int] = frozenset()
+) -> Sampler:
+    """Validate `params` (ValueError) and build the sampler, with its generator seeded once; it never
+    picks a token of `banned_ids` (the end-of-turn tokens under `ignore_eos`)."""
     problem = params.problem()
     if problem is not None:
         raise ValueError(problem)
@@ -146,4 +154,4 @@ def make_sampler(params: SamplingParams, device: torch.device | str = "cpu") -> 
         generator.seed()
     else:
         generator.manual_seed(params.seed)
-    return Sampler(params, generator)
+    return Sampler(params, generator, banned_ids)

@@ -37,7 +37,7 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype:
 
     auto is bf16 where the hardware computes it natively (CUDA with bf16, a CPU with AVX512_BF16 or
     AMX), else fp32. On the packaged SmolLM2 bf16 scores the same perplexity as fp32 and prefills ~2.5x
-    faster (scripts/bench_dtype.py, scripts/README.md). fp16 on a CPU is slow: only an explicit
+    faster (scripts/bench_dtype.py). fp16 on a CPU is slow: only an explicit
     request gets it.
     """
     if name in DTYPES:

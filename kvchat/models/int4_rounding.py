@@ -12,7 +12,7 @@ own inputs to them (input channels up to 1,000x the median) 0.0672 for all three
 Each group's ends are searched: its min and its max, then each shrunk by a factor in CLIP_FACTORS, the
 low end first, then the high one, where that lowers the group's squared error: an outlier clipped where
 that serves the rest of the group. On SmolLM2's decoder weights quantized anew, KL against fp32 went
-0.27 -> 0.20 in groups of 32 and 0.45 -> 0.28 in groups of 128 (scripts/README.md, Quantization); it
+0.27 -> 0.20 in groups of 32 and 0.45 -> 0.28 in groups of 128 (scripts/bench_quant.py quality); it
 takes ~3x the time of min to max (a model with Qwen2.5-3B's shapes in ~90 s on one thread).
 """
 

@@ -62,8 +62,8 @@ def quantize_model(
 
     The output layer is quantized as `head_mode` says. By default, under the int4 modes, an output
     layer tied to the embedding is "rescored" (a RescoredHead in the mode's groups), and any other is
-    int8: plain int4 costs 50x the KL of all other layers together on SmolLM2 (scripts/README.md,
-    Quantization).
+    int8: plain int4 costs 50x the KL of all other layers together on SmolLM2 (docs/quantization.md,
+    scripts/bench_quant.py quality).
     `from_file` may supply a ready layer for a name under "int4" (a GGUF's own 4-bit values, in
     groups of 32); the others are quantized from their weights. Layers of shapes the kernel cannot
     take stay as they are, listed in the report. `progress(done, total)` hears of each layer."""

@@ -9,7 +9,7 @@ whole vocabulary, and at least its `num_exact` highest logits are computed again
 weight (4.5 bits a weight) and ~1,024 rows (4 MB on a 3B model) read a token instead of 8 bits a weight,
 0.18 GB instead of 0.31 on Qwen2.5-3B's shapes. On SmolLM2 the error left is in the tail's mass (~2%
 of it beyond the 1,024 highest, whose logits stay int4's; sampling at a temperature without top-k or
-top-p draws from it): KL 0.0037 against an int8 layer's 0.0022 (scripts/README.md, Quantization), the
+top-p draws from it): KL 0.0037 against an int8 layer's 0.0022 (docs/quantization.md), the
 top-1 that of the exact layer.
 
 Where many rows of logits are asked for at once (a prompt's every position), the exact layer is cheaper
