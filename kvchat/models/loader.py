@@ -18,14 +18,15 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kvchat import cache_files
 from kvchat.config import ModelSettings
 from kvchat.errors import KvchatError, ModelLoadError
 from kvchat.models import quantized_cache
 from kvchat.models.device import apply_threads, choose_device, choose_dtype
-from kvchat.models.gguf import ensure_gguf_converted
+from kvchat.models.gguf import Conversion, ensure_gguf_converted
 from kvchat.models.gguf_quant import GGUFInt4Layers
-from kvchat.models.packaged import ensure_converted, is_packaged_file, packaged_gguf
-from kvchat.models.progress import ProgressCallback, quiet_transformers, report
+from kvchat.models.packaged import packaged_gguf
+from kvchat.models.progress import ProgressCallback, quiet_transformers, report, tell
 from kvchat.models.quantize import QuantizeReport, quantize_model
 from kvchat.models.sources import ModelSource, resolve_model
 from kvchat.native import kernels
@@ -65,7 +66,7 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     source = resolve_model(settings.model)
     device = choose_device(settings.device)
     apply_threads(settings.threads)
-    folder = _converted_folder(source, progress)
+    conversion = _conversion(source, progress)
     dtype = choose_dtype(settings.dtype, device)
     if device.type == "cpu":  # before quantizing: layers take kvchat's layout where its kernels are built
         report(progress, kernels.LOADING, 0, 1)
@@ -74,8 +75,8 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     description = f"loading {source.model_id}"
     report(progress, description, 0, 1)
     with quiet_transformers():
-        if folder is not None:
-            model, tokenizer = _load_pretrained(str(folder), dtype, local_files_only=True)
+        if conversion is not None:
+            model, tokenizer, conversion = _load_converted(source, conversion, dtype, progress)
         elif source.kind == "local":
             model, tokenizer = _load_pretrained(source.location, dtype, local_files_only=True)
         else:
@@ -86,6 +87,7 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
     report(progress, description, 1, 1)  # quantizing, a stage of its own, comes after
+    folder = conversion.folder if conversion is not None else None
     quantization = apply_quantize(model, settings.quantize, source, folder, progress, settings.quant_cache)
     eos_ids = eos_token_ids(model, tokenizer)
     if not eos_ids:
@@ -102,14 +104,40 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     )
 
 
-def _converted_folder(source: ModelSource, progress: ProgressCallback | None) -> Path | None:
-    """The safetensors conversion of a GGUF (the packaged one or a user's), made on first use."""
+def _conversion(source: ModelSource, progress: ProgressCallback | None) -> Conversion | None:
+    """The safetensors conversion of a GGUF (the packaged one or a user's), made on first use; a copy
+    of the packaged file shares its conversion, keyed by content."""
     if source.kind == "packaged":
-        return ensure_converted(progress)
+        return ensure_gguf_converted(packaged_gguf(), progress)
     if source.kind == "gguf":
-        path = Path(source.location)  # the packaged file by path shares the packaged conversion
-        return ensure_converted(progress) if is_packaged_file(path) else ensure_gguf_converted(path, progress)
+        return ensure_gguf_converted(Path(source.location), progress)
     return None
+
+
+def _load_converted(
+    source: ModelSource, conversion: Conversion, dtype: torch.dtype, progress: ProgressCallback | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Conversion]:
+    """The converted model: from its cached folder, or as converted in memory where the cache could
+    not be written. The folder was checked whole just before; one that still cannot be loaded is a
+    damaged cache, not a bad model: it is removed and converted again, once."""
+    for attempt in range(2):
+        if conversion.folder is None:
+            assert conversion.model is not None and conversion.tokenizer is not None
+            return conversion.model.to(dtype), conversion.tokenizer, conversion  # type: ignore[arg-type]
+        try:
+            return *_load_pretrained(str(conversion.folder), dtype, local_files_only=True), conversion
+        except ModelLoadError as exc:
+            if attempt:
+                raise
+            tell(
+                progress,
+                f"the converted model in {conversion.folder} cannot be loaded ({exc}); converting it again",
+            )
+            cache_files.remove(conversion.folder)
+            again = _conversion(source, progress)
+            assert again is not None
+            conversion = again
+    raise AssertionError("unreachable")
 
 
 def apply_quantize(
@@ -126,21 +154,22 @@ def apply_quantize(
     if mode == "none":
         return None
     from_file = None
-    if mode == "int4" and converted is not None:
+    if mode == "int4" and source.kind in ("packaged", "gguf"):
         path = packaged_gguf() if source.kind == "packaged" else Path(source.location)
         config = model.config
         from_file = GGUFInt4Layers(
             path,
-            converted / "gguf-tensors.json",
+            converted / "gguf-tensors.json" if converted is not None else None,
             config.num_attention_heads,
             config.num_key_value_heads,
             config.num_hidden_layers,
+            lambda message: tell(progress, message),
         )
     kept = quantized_cache.cache_path(model, mode) if keep else None
-    if kept is not None and kept.is_file():
+    if kept is not None and kept.exists():
         description = f"reading the {mode} weights kept from an earlier start"
         report(progress, description, 0, 1)
-        cached = quantized_cache.load(model, kept)
+        cached = quantized_cache.load(model, kept, mode, progress)
         report(progress, description, 1, 1)
         if cached is not None:
             return cached
@@ -154,7 +183,7 @@ def apply_quantize(
     if kept is not None and result.quantized:  # some layers were quantized anew: keep them for the next start
         description = f"keeping the {mode} weights for the next start"
         report(progress, description, 0, 1)
-        quantized_cache.save(model, result, kept)
+        quantized_cache.save(model, result, kept, progress)
         report(progress, description, 1, 1)
     return result
 

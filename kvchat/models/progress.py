@@ -1,11 +1,12 @@
-"""How model loading reports progress without knowing who displays it."""
+"""How model loading reports progress, and tells what it did about its caches, without knowing who
+displays either."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Iterator, Sized
 from contextlib import contextmanager
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from transformers import modeling_gguf_pytorch_utils as gguf_utils
 from transformers.utils import logging as hf_logging
@@ -19,12 +20,25 @@ class ProgressCallback(Protocol):
     def __call__(self, description: str, completed: float, total: float | None) -> None: ...
 
 
+@runtime_checkable
+class Notes(Protocol):
+    """A progress callback that also takes notes: one line each, about a cache rebuilt or not kept."""
+
+    def note(self, message: str) -> None: ...
+
+
 def report(
     progress: ProgressCallback | None, description: str, completed: float, total: float | None
 ) -> None:
     """Call `progress` if there is one."""
     if progress is not None:
         progress(description, completed, total)
+
+
+def tell(progress: ProgressCallback | None, message: str) -> None:
+    """Give `progress` a note (`kvchat: ...` on the screen) where it takes notes."""
+    if isinstance(progress, Notes):
+        progress.note(message)
 
 
 @contextmanager
