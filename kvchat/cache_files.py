@@ -34,6 +34,11 @@ _counter = itertools.count()
 Stamp = list[int]  # [device, inode, size, mtime_ns, ctime_ns]
 
 
+def cache_dir() -> Path:
+    """kvchat's cache folder: `$KVCHAT_CACHE_DIR`, else ~/.cache/kvchat."""
+    return Path(os.environ.get("KVCHAT_CACHE_DIR") or "~/.cache/kvchat").expanduser()
+
+
 def sha256_of(path: Path) -> str:
     """The SHA-256 of a whole file, read in pieces."""
     with path.open("rb") as file:

@@ -236,18 +236,30 @@ def test_no_stdin_at_all_is_an_empty_script(monkeypatch):
 def test_progress_callback_drives_a_bar_on_a_terminal(monkeypatch):
     quiet = io.StringIO()
     with UI(color=False, err_file=quiet).progress() as progress:  # not a terminal: no bar
+        progress("building kvchat's kernels for this CPU", 0, 5)
         progress("loading fake/model", 0, 1)
         progress("converting x.gguf (once): tokenizer", 0, None)
+        progress("building kvchat's kernels for this CPU: a.cpp", 0, 5)
         progress("converting x.gguf (once): tensors", 3, 9)
-    assert quiet.getvalue() == "kvchat: converting x.gguf (once), into the cache; later starts skip this\n"
+        progress.note("the int4 weights kept in /x were damaged (y); quantizing again")
+    assert quiet.getvalue().splitlines() == [
+        "kvchat: building kvchat's kernels for this CPU (5 files, once) while the model loads; later starts "
+        "skip this",
+        "kvchat: converting x.gguf (once), into the cache; later starts skip this",
+        "kvchat: the int4 weights kept in /x were damaged (y); quantizing again",
+    ]
     monkeypatch.setenv("FORCE_COLOR", "1")
     err = io.StringIO()
     ui = UI(err_file=err, file=io.StringIO())
     with ui.progress() as progress:
         assert progress is not None
         progress("converting", 0, 4)
+        progress("building kvchat's kernels for this CPU: a.cpp, b.cpp", 1, 5)  # from the build's thread
         progress("converting", 4, 4)
         progress("loading", 1, None)
+        progress("building kvchat's kernels for this CPU: b.cpp", 2, 5)
+        shown = [(t.description, t.completed) for t in progress.bar.tasks]
+    assert shown == [("building kvchat's kernels for this CPU: b.cpp", 2), ("loading", 1)]
     assert "converting" in err.getvalue()
 
 

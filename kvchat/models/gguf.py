@@ -11,7 +11,6 @@ cannot be written, the model converted in memory serves this start.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvchat import cache_files
+from kvchat.cache_files import cache_dir
 from kvchat.errors import ModelLoadError
 from kvchat.models.progress import ProgressCallback, quiet_transformers, report, tell
 
@@ -38,11 +38,6 @@ class Conversion:
     folder: Path | None
     model: PreTrainedModel | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
-
-
-def cache_dir() -> Path:
-    """kvchat's cache folder: `$KVCHAT_CACHE_DIR`, else ~/.cache/kvchat."""
-    return Path(os.environ.get("KVCHAT_CACHE_DIR") or "~/.cache/kvchat").expanduser()
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:

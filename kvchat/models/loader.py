@@ -66,12 +66,10 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     source = resolve_model(settings.model)
     device = choose_device(settings.device)
     apply_threads(settings.threads)
+    if device.type == "cpu":  # built while the model converts and loads, in a process of its own
+        kernels.start_build(progress)
     conversion = _conversion(source, progress)
     dtype = choose_dtype(settings.dtype, device)
-    if device.type == "cpu":  # before quantizing: layers take kvchat's layout where its kernels are built
-        report(progress, kernels.LOADING, 0, 1)
-        kernels.built()
-        report(progress, kernels.LOADING, 1, 1)
     description = f"loading {source.model_id}"
     report(progress, description, 0, 1)
     with quiet_transformers():
@@ -87,6 +85,8 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
     report(progress, description, 1, 1)  # quantizing, a stage of its own, comes after
+    if device.type == "cpu":  # before quantizing: layers take kvchat's layout where its kernels are built
+        kernels.built()
     folder = conversion.folder if conversion is not None else None
     quantization = apply_quantize(model, settings.quantize, source, folder, progress, settings.quant_cache)
     eos_ids = eos_token_ids(model, tokenizer)

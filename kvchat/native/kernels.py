@@ -13,41 +13,66 @@
 - rescore.cpp: the highest logits of a rescored output layer computed again from the exact weight
   (`rescore_top`; models/rescored_head.py uses it).
 
-They are built at first use with the machine's C++ compiler (`torch.utils.cpp_extension`, ~25 s) for
-this CPU (`-march=native`), and cached by torch under a name that carries the CPU's features, so a
-cache shared between machines never serves one CPU another's build, and the sources' folder, so two
-copies of kvchat on one machine (a checkout and a clone of it) keep a build each instead of rebuilding
-over each other. Where they cannot be built, attention gathers the K/V, quantized layers run torch's
-own kernels and bf16 ones oneDNN's; `build_error()` says why.
+They are compiled for this CPU (`-march=native`) with the machine's C++ compiler, once: at the first
+start the build runs in a process of its own while the model loads (kvchat/native/build.py, runner.py),
+and later starts load the library they left after checking it whole. Where they cannot be built (no
+compiler, a build that failed), attention gathers the K/V, quantized layers run torch's own kernels and
+bf16 ones oneDNN's; `build_error()` says why, and `status()` says it for /info with what to install.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import platform
-import shutil
 from collections.abc import Callable
-from contextlib import ExitStack
 from importlib import resources
 from pathlib import Path
 
 import torch
 
+from kvchat.native.build import BUILDING, Build, Library, Progress, plan
+
 SOURCES = ("paged_decode.cpp", "decode_layer.cpp", "quantized_linear.cpp", "bf16_linear.cpp", "rescore.cpp")
-FLAGS = ["-O3", "-march=native"]
-LOADING = "Loading kvchat's kernels (built at the first start on a machine, ~25 s)"  # for progress
+FLAGS = ("-O3", "-march=native")
+LIBRARIES = (Library("kernels", SOURCES, FLAGS),)
+# What decode loses without them, measured on SmolLM2-135M (bf16, one thread, Zen 4): see docs/caches.md.
+COST_WITHOUT = "decode runs about 2x slower without them"
+INSTALL = (
+    "install a C++ compiler (Debian/Ubuntu: apt install g++; Fedora: dnf install gcc-c++) and start again"
+)
+
+__all__ = ["BUILDING", "built", "build_error", "start_build", "status"]
+
+_build: Build | None = None  # the build of this process, once started
+
+
+def start_build(progress: Progress | None = None) -> None:
+    """Start building the kernels in the background where they are not built yet, reporting to
+    `progress`; returns at once. `built()` waits for it."""
+    global _build
+    if _build is None:
+        folder = Path(str(resources.files("kvchat.native")))
+        _build = Build([plan(library, folder) for library in LIBRARIES])
+        _build.start(progress)
 
 
 def built() -> bool:
     """Whether the kernels are built and registered (building them if need be)."""
-    return _build()[0]
+    return _load()[0]
 
 
 def build_error() -> str | None:
     """Why the kernels could not be built, in one line; None when they were."""
-    return _build()[1]
+    return _load()[1]
+
+
+def status() -> str:
+    """The kernels' state in one line, for /info: built, or why not, what to install, what it costs."""
+    error = build_error()
+    if error is None:
+        return "kvchat's, built for this CPU"
+    if error.startswith("no C++ compiler"):
+        return f"not built: {error}; {INSTALL} ({COST_WITHOUT})"
+    return f"not built: {error} ({COST_WITHOUT})"
 
 
 def int4_linear() -> Callable | None:
@@ -76,25 +101,22 @@ def _cpu_specific_op(name: str) -> Callable | None:
 
 
 @functools.cache
-def _build() -> tuple[bool, str | None]:
-    """Whether the kernels are built and registered, and if not, why."""
-    try:
-        from torch.utils import cpp_extension
-
-        _put_ninja_on_path()
-        with ExitStack() as stack:
-            folder = resources.files("kvchat.native")
-            paths = [str(stack.enter_context(resources.as_file(folder.joinpath(name)))) for name in SOURCES]
-            cpp_extension.load(
-                name=f"kvchat_kernels_{_build_tag(Path(paths[0]).parent)}",
-                sources=paths,
-                extra_cflags=FLAGS,
-                is_python_module=False,
-                verbose=False,
-            )
-    except Exception as error:  # a missing compiler or ninja, a failed build
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        return False, f"{type(error).__name__}: {first_line}"
+def _load() -> tuple[bool, str | None]:
+    """Wait for the build, load each library that can be used; whether the kernels are registered,
+    and if not, why."""
+    start_build()
+    assert _build is not None
+    problems = []
+    for name, result in _build.wait().items():
+        if isinstance(result, str):
+            problems.append(result)
+            continue
+        try:
+            torch.ops.load_library(str(result))
+        except OSError as exc:
+            problems.append(f"{name} did not load: {str(exc).strip().splitlines()[0]}")
+    if problems:
+        return False, problems[0]
     _register_fakes()
     return True, None
 
@@ -127,26 +149,3 @@ def _register_fakes() -> None:
         @torch.library.register_fake("kvchat::bf16_linear")
         def _(x, tiles, bias, residual=None):
             return x.new_empty((x.shape[0], tiles.shape[0] * 16))
-
-
-def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; a virtual environment that was not activated has the ninja
-    package's binary off it."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-
-
-def _build_tag(sources: Path) -> str:
-    """A short hash of what -march=native compiles for (the machine type and its CPU's feature flags)
-    and of where the sources are."""
-    flags = ""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        lines = cpuinfo.read_text().splitlines()
-        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
-    return hashlib.sha256(f"{platform.machine()} {flags} {sources.resolve()}".encode()).hexdigest()[:12]
