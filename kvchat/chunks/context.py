@@ -16,7 +16,7 @@ from kvchat.chunks.context_file import save_session, stage_session
 from kvchat.chunks.context_views import ContextViews
 from kvchat.chunks.inference import Inference, Setup
 from kvchat.chunks.reports import FidelityReport
-from kvchat.chunks.retry import answer_to_retry
+from kvchat.chunks.retry import answer_to_retry, at_first_token, pin_again, unpin_replaced
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import (
     ChunkInfo,
@@ -179,18 +179,17 @@ class ContextManager(ContextViews):
         return self._run(self.context_chunks(with_query=False) + [turn], params, turn=turn)
 
     def retry(self, params: SamplingParams) -> InferenceStream:
-        """Generate the newest answer again from the context it came from, in its place. The answer it
-        replaces is deleted first (its pinned KV released, its blocks left cached until evicted); a
-        chat answer's user turn stays and is answered again."""
+        """Generate the newest answer again from the context it came from, in its place. The run is
+        composed and its room reserved first; the answer it replaces is deleted at the new answer's
+        first token (its KV blocks left cached until evicted), and a chat answer's user turn stays, with
+        the new answer after it. Refused or interrupted before that, the conversation is as it was."""
         ids = [c.chunk_id for c in self.context_chunks(with_query=False)]
         last, turn = answer_to_retry(self.registry, ids, self.query, self.turns)
-        if turn is not None:
-            self.turns.remove(turn.chunk_id)  # it rejoins together with its new answer
-        self._remove_from_context(last.chunk_id)
-        self._delete(last)
         if turn is None:
-            return self._run(self.context_chunks(), params)
-        return self._run(self.context_chunks(with_query=False) + [turn], params, turn=turn)
+            return self._run(self.context_chunks(), params, replacing=last)
+        chunks = self.context_chunks(with_query=False)
+        assert [c.chunk_id for c in chunks[-2:]] == [turn.chunk_id, last.chunk_id]
+        return self._run(chunks[:-1], params, turn=turn, replacing=last)
 
     def infer_blocking(self, params: SamplingParams) -> InferenceResult:
         """`infer` without streaming: the InferenceResult alone."""
@@ -240,28 +239,53 @@ class ContextManager(ContextViews):
         except CacheFullError as err:
             raise CacheFullError(f"{err}. {describe.deletable_outputs(self.registry)}") from None
 
-    def _run(self, chunks: list[Chunk], params: SamplingParams, turn: Chunk | None = None) -> InferenceStream:
+    def _run(
+        self,
+        chunks: list[Chunk],
+        params: SamplingParams,
+        turn: Chunk | None = None,
+        replacing: Chunk | None = None,
+    ) -> InferenceStream:
         """One inference, owned from composing to settling by its `with` block: whatever way it ends (an
-        answer, an error, Ctrl-C anywhere, the stream closed), its blocks are kept here or given back."""
+        answer, an error, Ctrl-C anywhere, the stream closed), its blocks are kept here or given back.
+        An answer `replacing` another (/retry) takes its place at its first token, not before."""
         self._release_live()  # its blocks stay cached, so the new sequence can still share them
         registry = self.registry  # replaced by a reset: an answer from before it is not kept after
         output: Chunk | None = None
+        lent = unpin_replaced(replacing, self.engine.blocks) if replacing is not None else None
+        replaced: list[Chunk] = []  # the answer replaced, once the new one's first token came
+
+        def replace() -> None:
+            assert replacing is not None
+            self._replace(replacing, turn)
+            replaced.append(replacing)
+
         try:
             with self._hinting(), Inference(self.setup, chunks, params) as run:
                 try:
-                    yield from run.steps()
+                    yield from run.steps() if replacing is None else at_first_token(run.steps(), replace)
                 except GeneratorExit:
-                    if self.registry is registry:
+                    if self.registry is registry and (replacing is None or replaced):
                         self._settle(run, turn)  # the answer so far is kept
                     raise
-                if self.registry is registry:
+                if self.registry is registry and (replacing is None or replaced):
                     output = self._settle(run, turn)
         finally:
+            if replacing is not None and lent is not None and not replaced:
+                pin_again(replacing, lent, self.engine.blocks)
             if output is None and turn is not None and turn.chunk_id not in self.turns:
                 # A turn joins only together with its answer (unless it went with a reset meanwhile).
                 if self.registry.chunks.get(turn.chunk_id) is turn:
                     self.registry.remove(turn.chunk_id)
         yield run.result(output)
+
+    def _replace(self, old: Chunk, turn: Chunk | None) -> None:
+        """A retried answer's first token came: the answer it replaces goes; its user turn leaves the
+        turns, to rejoin them with the new answer."""
+        if turn is not None:
+            self.turns.remove(turn.chunk_id)
+        self._remove_from_context(old.chunk_id)
+        self._delete(old)
 
     def _settle(self, run: Inference, turn: Chunk | None) -> Chunk | None:
         """Keep the answer: its output chunk, the spans of the chunks it computed, the live sequence.
