@@ -194,6 +194,10 @@ def test_apply_threads() -> None:
         assert apply_threads(0) == max(1, device_module.num_physical_cores() - 1)
         with pytest.raises(ConfigError):
             apply_threads(-1)
+        cpus = device_module.num_cpus()
+        assert apply_threads(cpus) == cpus
+        with pytest.raises(ConfigError, match=f"--threads {cpus + 1}: kvchat may run on {cpus} CPU"):
+            apply_threads(cpus + 1)  # refused before torch is asked (100,000 crashed it)
     finally:
         torch.set_num_threads(before)
 

@@ -32,6 +32,7 @@ import torch
 
 import kvchat
 from kvchat.cache_files import cache_dir
+from kvchat.models.device import num_cpus
 from kvchat.native import build_files
 from kvchat.native.build_files import BuildPlan, LibraryPlan
 
@@ -88,17 +89,12 @@ def _build_tag(sources: Path) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _num_cpus() -> int:
-    """The CPUs this process may run on: one compiler each."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 class Build:
     """One build of kvchat's libraries: started, then waited for."""
 
     def __init__(self, plans: list[LibraryPlan], num_jobs: int | None = None) -> None:
         self.plans = plans
-        self.num_jobs = num_jobs or _num_cpus()
+        self.num_jobs = num_jobs or num_cpus()  # one compiler a CPU
         self.results: dict[str, Path | str] = {}  # a library's file, or why there is none
         self._proc: subprocess.Popen[str] | None = None
         self._errors: IO[bytes] | None = None
