@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvchat.chunks import describe, persist
+from kvchat.chunks.budget import refuse_oversized
 from kvchat.chunks.chunk import Chunk, ChunkRegistry
 from kvchat.chunks.compose import NO_REPAIR, ComposedSequence, RepairPolicy
 from kvchat.chunks.context_file import save_session, stage_session
@@ -76,8 +77,9 @@ class ContextManager(ContextViews):
     def register(self, role: Role, text: str, unique: bool = False) -> Chunk:
         if not text.strip():
             raise ChunkError(f"empty {role.value} text")
-        token_ids = self.format.segment_ids(_TEMPLATE_ROLE[role], text)
         capacity = self.engine.blocks.num_blocks * self.engine.block_size
+        refuse_oversized(self.tokenizer, text, capacity, role.value)
+        token_ids = self.format.segment_ids(_TEMPLATE_ROLE[role], text)
         if len(token_ids) >= capacity:
             raise CacheFullError(
                 f"{role.value} chunk of {len(token_ids)} tokens is larger than the whole KV budget "
