@@ -285,6 +285,7 @@ def test_run_dash_reads_stdin():
         (["--min-p", "1"], "kvchat: --min-p 1.0 must be in [0, 1)"),
         (["--dtype", "int8"], "kvchat: --dtype int8 must be one of auto, bf16, fp32, fp16"),
         (["--model", " "], "kvchat: --model   must not be empty"),
+        (["--threads", "100000"], "kvchat: --threads 100000 must be in [0, 1024] (0 picks automatically)"),
     ],
 )
 def test_bad_flags_are_named(args, message):
@@ -329,3 +330,35 @@ def test_a_switch_undoes_what_the_config_file_turned_on(tmp_path):
     result, factory = invoke(["--config", str(config), "--no-json"], stdin="/stats\n")
     assert result.exit_code == 0 and factory.settings.ui.json is False
     assert "hit rate" in result.stdout
+
+
+@pytest.mark.parametrize("json_lines", [False, True])
+def test_ctrl_c_between_script_commands_is_one_line_and_status_1(monkeypatch, json_lines):
+    def interrupted(shell, ui, script):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(app_module, "_run", interrupted)
+    result, _ = invoke(["--json"] if json_lines else [], stdin="/stats\n/stats\n")
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == ["error: interrupted; the commands after it did not run"]
+    if json_lines:
+        (record,) = [json.loads(line) for line in result.stdout.splitlines()]
+        assert record["ok"] is False and "interrupted" in record["error"]
+
+
+def test_ctrl_c_outside_any_command_exits_with_one_line_and_then_is_ignored(monkeypatch, capsys):
+    import signal
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(app_module, "_app", interrupted)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            app_module.main([])
+        assert exit_info.value.code == 1
+        assert capsys.readouterr().err == "kvchat: interrupted\n"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # while the process exits
+    finally:
+        signal.signal(signal.SIGINT, handler)
