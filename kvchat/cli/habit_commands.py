@@ -41,6 +41,7 @@ def info(self: Shell, arg: str) -> ModelInfo:
       quantization    how the weights are stored (none: plain dtype), and whose kernels run them
       decode          how single tokens run: compiled graph (--compile), lean step or module forward;
                       "attention by gather" where kvchat's attention kernel could not be built, and why
+      kernels         kvchat's C++ kernels: built for this CPU, or why not, what to install, what it costs
       context length  the most positions the model was trained for
       chat template   its family (ChatML, Llama 3, ...), and the system prompt it inserts when none is set
       KV budget       tokens and bytes of the paged KV cache (--ctx-size or --kv-memory), its block size

@@ -37,6 +37,7 @@ class ModelInfo:
     source: str = ""  # where the weights came from: "packaged GGUF at ...", "local folder ...", ...
     quantization: str = "none"
     decode: str = "module forward"  # how single tokens decode: compiled graph, lean step, module forward
+    kernels: str = ""  # kvchat's C++ kernels: built, or why not and what to install
 
 
 def model_info(
@@ -53,6 +54,7 @@ def model_info(
     import torch
 
     from kvchat.models.device import DTYPE_NAMES
+    from kvchat.native import kernels
 
     param = next(model.parameters())
     config = model.config
@@ -71,6 +73,7 @@ def model_info(
         device=str(param.device),
         threads=torch.get_num_threads(),
         quantization=describe_quantization(model),
+        kernels=kernels.status() if param.device.type == "cpu" else f"for CPUs, not used on {param.device}",
     )
 
 
