@@ -213,3 +213,29 @@ def test_a_build_killed_anywhere_leaves_no_process_and_the_next_build_finishes(t
     library, _ = build(plan)
     assert isinstance(library, Path) and call(library, "one") == 40
     assert [p.name for p in Path(plan.folder).iterdir() if p.name.endswith(".part")] == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes in /proc")
+def test_a_start_killed_during_the_first_build_then_a_start_that_answers(tmp_path: Path) -> None:
+    """kvchat itself killed at a random point of its first kernel build (the real sources): nothing of
+    the build runs on, and the next start builds them and answers."""
+    import time
+
+    from tests.test_cli_real import KVCHAT, user_env
+    from tests.test_quantized_cache import saved_tiny_qwen2
+
+    folder = saved_tiny_qwen2(tmp_path)
+    env = {**user_env(tmp_path / "home"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    args = [*KVCHAT, "-p", "hi", "--model", str(folder), "--max-tokens", "4", "--speculate", "off"]
+    rng = random.Random()
+    first = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert first.stderr is not None
+    line = first.stderr.readline()
+    assert line.startswith("kvchat: building kvchat's kernels for this CPU (5 files, once)"), line
+    time.sleep(rng.uniform(0, 20))  # where the kill lands; nothing is timed
+    first.send_signal(rng.choice([signal.SIGKILL, signal.SIGTERM]))
+    first.wait()
+    assert wait_gone(str(tmp_path / "ext")) == []
+    second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0 and second.stdout, second.stderr  # the tiny model answers blank lines

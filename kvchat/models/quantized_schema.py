@@ -17,6 +17,7 @@ Kernel = Literal["kvchat", "torch"]
 Mode = Literal["int8", "int4", "int4-g128"]
 TILE_ROWS = 16  # the rows of a tile of kvchat's layouts (models/weight_layout.py)
 NESTED_HEAD_BYTES = 64  # a nested tile's bf16 row scales and lows
+GROUP_SIZES = (32, 64, 128)  # models/quantized_linears.py's INT4_GROUP_SIZES
 
 
 class KeptLayersError(ValueError):
@@ -44,12 +45,14 @@ class Int4Spec(_Record):
     kernel: Kernel
     in_features: int = Field(ge=32)
     out_features: int = Field(ge=16, multiple_of=16)
-    group_size: Literal[32, 64, 128]
+    group_size: int  # 32, 64 or 128 (a Literal of ints would take 32.0)
     nested: bool
     num_exact: int | None = Field(default=None, ge=1)  # set on an output layer run as a RescoredHead
 
     @model_validator(mode="after")
     def _groups_fit(self) -> Int4Spec:
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"groups of {self.group_size} inputs; int4 takes {GROUP_SIZES}")
         if self.in_features % self.group_size:
             raise ValueError(f"{self.in_features} inputs are no whole number of groups of {self.group_size}")
         if self.nested and (self.kernel != "kvchat" or self.group_size != 32):
