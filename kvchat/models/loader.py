@@ -67,7 +67,7 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
     device = choose_device(settings.device)
     apply_threads(settings.threads)
     if device.type == "cpu":  # built while the model converts and loads, in a process of its own
-        kernels.start_build(progress)
+        kernels.start_build(progress, quantized=settings.quantize != "none")
     conversion = _conversion(source, progress)
     dtype = choose_dtype(settings.dtype, device)
     description = f"loading {source.model_id}"

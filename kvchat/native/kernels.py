@@ -13,11 +13,13 @@
 - rescore.cpp: the highest logits of a rescored output layer computed again from the exact weight
   (`rescore_top`; models/rescored_head.py uses it).
 
-They are compiled for this CPU (`-march=native`) with the machine's C++ compiler, once: at the first
-start the build runs in a process of its own while the model loads (kvchat/native/build.py, runner.py),
-and later starts load the library they left after checking it whole. Where they cannot be built (no
-compiler, a build that failed), attention gathers the K/V, quantized layers run torch's own kernels and
-bf16 ones oneDNN's; `build_error()` says why, and `status()` says it for /info with what to install.
+They are compiled for this CPU (`-march=native`) with the machine's C++ compiler, once, into two
+libraries: the first three sources make the one every start loads, the last two the quantized layers'
+one, built at the first start with --quantize. A first start builds them in a process of its own while
+the model loads (kvchat/native/build.py, runner.py); later starts load the libraries they left after
+checking them whole. Where they cannot be built (no compiler, a build that failed), attention gathers
+the K/V, quantized layers run torch's own kernels and bf16 ones oneDNN's; `build_error()` says why, and
+`status()` says it for /info with what to install.
 """
 
 from __future__ import annotations
@@ -31,38 +33,44 @@ import torch
 
 from kvchat.native.build import BUILDING, Build, Library, Progress, plan
 
-SOURCES = ("paged_decode.cpp", "decode_layer.cpp", "quantized_linear.cpp", "bf16_linear.cpp", "rescore.cpp")
 FLAGS = ("-O3", "-march=native")
-LIBRARIES = (Library("kernels", SOURCES, FLAGS),)
+# Every start on a CPU needs the first; only --quantize the second: a first start without it compiles
+# three files, not five.
+CORE = Library("kernels", ("paged_decode.cpp", "decode_layer.cpp", "bf16_linear.cpp"), FLAGS)
+QUANTIZED = Library("quantized", ("quantized_linear.cpp", "rescore.cpp"), FLAGS)
+LIBRARIES = (CORE, QUANTIZED)
+SOURCES = tuple(source for library in LIBRARIES for source in library.sources)
 # What decode loses without them, measured on SmolLM2-135M (bf16, one thread, Zen 4): see docs/caches.md.
-COST_WITHOUT = "decode runs about 2x slower without them"
+COST_WITHOUT = "decode runs about 2.5x slower without them"
 INSTALL = (
     "install a C++ compiler (Debian/Ubuntu: apt install g++; Fedora: dnf install gcc-c++) and start again"
 )
 
 __all__ = ["BUILDING", "built", "build_error", "start_build", "status"]
 
-_build: Build | None = None  # the build of this process, once started
+_builds: dict[str, Build] = {}  # each library's build in this process, once started
 
 
-def start_build(progress: Progress | None = None) -> None:
-    """Start building the kernels in the background where they are not built yet, reporting to
-    `progress`; returns at once. `built()` waits for it."""
-    global _build
-    if _build is None:
+def start_build(progress: Progress | None = None, quantized: bool = False) -> None:
+    """Start building the kernels (with `quantized`, the quantized layers' too) in the background
+    where they are not built yet, reporting to `progress`; returns at once. Asking for an op waits."""
+    wanted = [CORE, QUANTIZED] if quantized else [CORE]
+    missing = [library for library in wanted if library.name not in _builds]
+    if missing:
         folder = Path(str(resources.files("kvchat.native")))
-        _build = Build([plan(library, folder) for library in LIBRARIES])
-        _build.start(progress)
+        build = Build([plan(library, folder) for library in missing])
+        build.start(progress)
+        _builds.update((library.name, build) for library in missing)
 
 
 def built() -> bool:
-    """Whether the kernels are built and registered (building them if need be)."""
-    return _load()[0]
+    """Whether the kernels every start uses are built and registered (building them if need be)."""
+    return _build()[0]
 
 
 def build_error() -> str | None:
     """Why the kernels could not be built, in one line; None when they were."""
-    return _load()[1]
+    return _build()[1]
 
 
 def status() -> str:
@@ -77,61 +85,70 @@ def status() -> str:
 
 def int4_linear() -> Callable | None:
     """`kvchat::int4_linear`, or None where it is not built: no compiler, or no AVX-512 VNNI."""
-    return _cpu_specific_op("int4_linear")
+    return _quantized_op("int4_linear")
 
 
 def int8_linear() -> Callable | None:
     """`kvchat::int8_linear`, or None where it is not built: no compiler, or no AVX-512 VNNI."""
-    return _cpu_specific_op("int8_linear")
+    return _quantized_op("int8_linear")
 
 
 def bf16_linear() -> Callable | None:
     """`kvchat::bf16_linear`, or None where it is not built: no compiler, or no AVX-512 BF16."""
-    return _cpu_specific_op("bf16_linear")
+    # registered only where compiled for the instructions it needs
+    return getattr(torch.ops.kvchat, "bf16_linear", None) if built() else None
 
 
 def rescore_top() -> Callable | None:
     """`kvchat::rescore_top`, or None where the kernels are not built."""
-    return torch.ops.kvchat.rescore_top if built() else None
+    return _quantized_op("rescore_top")
 
 
-def _cpu_specific_op(name: str) -> Callable | None:
+def _quantized_op(name: str) -> Callable | None:
     # the linear kernels are registered only when compiled for the instructions they need
-    return getattr(torch.ops.kvchat, name, None) if built() else None
+    return getattr(torch.ops.kvchat, name, None) if built() and _load(QUANTIZED.name)[0] else None
+
+
+def _build() -> tuple[bool, str | None]:
+    """Whether the kernels every start uses are registered, and if not, why (tests replace it)."""
+    return _load(CORE.name)
 
 
 @functools.cache
-def _load() -> tuple[bool, str | None]:
-    """Wait for the build, load each library that can be used; whether the kernels are registered,
-    and if not, why."""
-    start_build()
-    assert _build is not None
-    problems = []
-    for name, result in _build.wait().items():
-        if isinstance(result, str):
-            problems.append(result)
-            continue
-        try:
-            torch.ops.load_library(str(result))
-        except OSError as exc:
-            problems.append(f"{name} did not load: {str(exc).strip().splitlines()[0]}")
-    if problems:
-        return False, problems[0]
-    _register_fakes()
+def _load(name: str) -> tuple[bool, str | None]:
+    """Wait for the library's build and load it; whether its ops are registered, and if not, why."""
+    start_build(quantized=name == QUANTIZED.name)
+    result = _builds[name].wait()[name]
+    if isinstance(result, str):
+        return False, result
+    try:
+        torch.ops.load_library(str(result))
+    except OSError as exc:
+        return False, f"{name} did not load: {str(exc).strip().splitlines()[0]}"
+    _register_fakes(name)
     return True, None
 
 
-def _register_fakes() -> None:
+def _register_fakes(library: str) -> None:
     """Output shapes for torch.compile's tracing, of the ops the compiled graph calls (the lean step's
     decoder-layer ops are never traced)."""
+    if library == CORE.name:
 
-    @torch.library.register_fake("kvchat::paged_decode_attention")
-    def _(query, own_keys, own_values, keys, values, layer, slots, scale):
-        return query.new_empty(query.shape, dtype=torch.float32)
+        @torch.library.register_fake("kvchat::paged_decode_attention")
+        def _(query, own_keys, own_values, keys, values, layer, slots, scale):
+            return query.new_empty(query.shape, dtype=torch.float32)
 
-    @torch.library.register_fake("kvchat::paged_attention")
-    def _(query, keys, values, layer, slots, num_new, scale):
-        return query.new_empty(query.shape, dtype=torch.float32)
+        @torch.library.register_fake("kvchat::paged_attention")
+        def _(query, keys, values, layer, slots, num_new, scale):
+            return query.new_empty(query.shape, dtype=torch.float32)
+
+        if hasattr(torch.ops.kvchat, "bf16_linear"):
+
+            @torch.library.register_fake("kvchat::bf16_linear")
+            def _(x, tiles, bias, residual=None):
+                return x.new_empty((x.shape[0], tiles.shape[0] * 16))
+
+        return
 
     @torch.library.register_fake("kvchat::rescore_top")
     def _(logits, weight, hidden, num_exact):
@@ -143,9 +160,3 @@ def _register_fakes() -> None:
             @torch.library.register_fake(name)
             def _(x, codes, params):
                 return x.new_empty((x.shape[0], codes.shape[0] * 16), dtype=torch.float32)
-
-    if hasattr(torch.ops.kvchat, "bf16_linear"):
-
-        @torch.library.register_fake("kvchat::bf16_linear")
-        def _(x, tiles, bias, residual=None):
-            return x.new_empty((x.shape[0], tiles.shape[0] * 16))
