@@ -130,3 +130,18 @@ def test_a_conversion_that_cannot_be_kept_serves_this_start_from_memory(
     assert conversion.folder is None and len(told.notes) == 1
     assert told.notes[0].startswith(f"cannot keep the converted model in {tmp_path / 'models'} (")
     assert told.notes[0].endswith("m.gguf is converted again at every start until it can")
+
+
+def test_a_start_sweeps_what_a_dead_writer_left_beside_a_whole_conversion(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake_conversion(monkeypatch, [])
+    source = tmp_path / "m.gguf"
+    source.write_bytes(b"GGUF" + bytes(100))
+    target = tmp_path / "models" / "m"
+    gguf.convert_once(source, target)
+    left = target.with_name(f".{target.name}.999999999-0.part")  # a converter killed mid-write
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(bytes(1000))
+    assert gguf.convert_once(source, target).folder == target
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m"]

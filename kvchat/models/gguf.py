@@ -104,6 +104,7 @@ def ensure_gguf_converted(gguf_path: Path, progress: ProgressCallback | None = N
 def convert_once(gguf_path: Path, target: Path, progress: ProgressCallback | None = None) -> Conversion:
     """Convert `gguf_path` into `target` unless a whole conversion is there. A damaged one is removed
     and converted again; where `target` cannot be written, the conversion in memory is returned."""
+    cache_files.sweep(target.parent)  # what interrupted writes left, whoever they were
     problem = check_converted(target)
     if problem is None:
         return Conversion(target)
@@ -113,7 +114,6 @@ def convert_once(gguf_path: Path, target: Path, progress: ProgressCallback | Non
             f"the converted model in {target} is damaged ({problem}); converting {gguf_path.name} again",
         )
         cache_files.remove(target)
-    cache_files.sweep(target.parent)
     try:
         model, tokenizer = read_gguf(gguf_path, progress)
     except ModelLoadError:

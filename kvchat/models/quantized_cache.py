@@ -90,6 +90,7 @@ def load(
 ) -> QuantizeReport | None:
     """Put the layers kept in `path` in place of the model's linears and return their report; None (the
     model untouched) where there are none. Kept layers that fail a check are removed, told in one line."""
+    cache_files.sweep(path.parent)  # what interrupted writes left, whoever they were
     if not path.exists():
         return None
     try:

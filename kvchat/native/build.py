@@ -31,6 +31,7 @@ from typing import IO
 import torch
 
 import kvchat
+from kvchat import cache_files
 from kvchat.cache_files import cache_dir
 from kvchat.models.device import num_cpus
 from kvchat.native import build_files
@@ -112,6 +113,7 @@ class Build:
         """Check each library; start building those that cannot be used, in the background."""
         todo = []
         for library in self.plans:
+            cache_files.sweep(Path(library.folder))  # what builds killed outright left
             if build_files.check_library(Path(library.folder), library) is None:
                 self.results[library.name] = build_files.library_path(Path(library.folder))
             else:
