@@ -239,3 +239,31 @@ def test_a_start_killed_during_the_first_build_then_a_start_that_answers(tmp_pat
     assert wait_gone(str(tmp_path / "ext")) == []
     second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0 and second.stdout, second.stderr  # the tiny model answers blank lines
+
+
+def test_without_a_compiler_info_says_why_what_to_install_and_the_cost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvchat.native import kernels
+
+    monkeypatch.setattr(kernels, "_build", lambda: (False, "no C++ compiler found (c++)"))
+    line = kernels.status()
+    assert line.startswith("not built: no C++ compiler found (c++); install a C++ compiler (Debian/Ubuntu: ")
+    assert line.endswith(f"({kernels.COST_WITHOUT})") and "\n" not in line
+    monkeypatch.setattr(kernels, "_build", lambda: (True, None))
+    assert kernels.status() == "kvchat's, built for this CPU"
+
+
+@pytest.mark.slow
+def test_without_a_compiler_a_start_shows_no_warning(tmp_path: Path) -> None:
+    from tests.test_cli_real import KVCHAT, user_env
+    from tests.test_quantized_cache import saved_tiny_qwen2
+
+    folder = saved_tiny_qwen2(tmp_path)
+    env = {**user_env(tmp_path / "home"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": "no-such-c++"}
+    args = [*KVCHAT, "run", "-", "--model", str(folder), "--max-tokens", "4"]
+    done = subprocess.run(args, input="/info\nhi\n", env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == []  # no torch warning, no build line
+    assert "kernels         not built: no C++ compiler found (no-such-c++); install" in done.stdout
+    assert not (tmp_path / "ext").exists()

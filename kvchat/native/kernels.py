@@ -41,7 +41,7 @@ QUANTIZED = Library("quantized", ("quantized_linear.cpp", "rescore.cpp"), FLAGS)
 LIBRARIES = (CORE, QUANTIZED)
 SOURCES = tuple(source for library in LIBRARIES for source in library.sources)
 # What decode loses without them, measured on SmolLM2-135M (bf16, one thread, Zen 4): see docs/caches.md.
-COST_WITHOUT = "decode runs about 2.5x slower without them"
+COST_WITHOUT = "decode runs about 3x slower without them"
 INSTALL = (
     "install a C++ compiler (Debian/Ubuntu: apt install g++; Fedora: dnf install gcc-c++) and start again"
 )
