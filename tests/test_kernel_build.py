@@ -110,6 +110,19 @@ def test_a_compile_error_is_one_line(tmp_path: Path) -> None:
     assert isinstance(reason, str) and reason.startswith("two.cpp did not compile: ") and "\n" not in reason
 
 
+def test_two_builds_at_once_compile_each_file_once(tmp_path: Path) -> None:
+    plan = make_plan(tmp_path)
+    reports: list[list[str]] = [[], []]
+    runs = [Build([plan], num_jobs=2) for _ in reports]
+    for run, seen in zip(runs, reports, strict=True):
+        run.start(lambda description, done, total, seen=seen: seen.append(description))
+    libraries = [run.wait()[plan.name] for run in runs]
+    assert libraries[0] == libraries[1] and isinstance(libraries[0], Path) and call(libraries[0], "two") == 41
+    compiled = [r for seen in reports for r in seen if r.endswith(": done") or "waiting" in r]
+    assert sum("waiting for another kvchat" in r for r in compiled) == 1  # the second waited, then used it
+    assert sum(r.endswith(": done") for r in compiled) == 1
+
+
 HOLD_LOCK = """
 import fcntl, os, sys
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
@@ -267,3 +280,15 @@ def test_without_a_compiler_a_start_shows_no_warning(tmp_path: Path) -> None:
     assert done.stderr.splitlines() == []  # no torch warning, no build line
     assert "kernels         not built: no C++ compiler found (no-such-c++); install" in done.stdout
     assert not (tmp_path / "ext").exists()
+
+
+def test_a_build_that_fails_is_told_at_start_and_no_compiler_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvchat.native import kernels
+
+    monkeypatch.setattr(kernels, "_build", lambda: (False, "cannot write /x (Permission denied)"))
+    assert kernels.failure_note() == (
+        f"kvchat's kernels are not built (cannot write /x (Permission denied)); running without them: "
+        f"{kernels.COST_WITHOUT}"
+    )
+    monkeypatch.setattr(kernels, "_build", lambda: (False, "no C++ compiler found (c++)"))
+    assert kernels.failure_note() is None  # /info says it; a start stays quiet

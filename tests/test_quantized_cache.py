@@ -154,3 +154,13 @@ def test_quant_cache_off_neither_reads_nor_writes(tmp_path) -> None:
     assert len(list(kept.iterdir())) == 1
     again = stages(False)  # a kept file there is not read either
     assert "quantizing to int4" in again and not any("kept" in s for s in again)
+
+
+def test_a_file_where_the_folder_should_be_is_told_and_the_start_goes_on(tmp_path) -> None:
+    quantized_cache.folder().write_text("in the way")
+    folder, told = saved_tiny_qwen2(tmp_path), Notes()
+    settings = ModelSettings(model=str(folder), dtype="bf16", device="cpu", threads=1, quantize="int4")
+    loaded = load_model(settings, progress=told)
+    assert loaded.quantization is not None and loaded.quantization.mode == "int4"
+    assert len(told.notes) == 1 and told.notes[0].startswith("cannot keep the int4 weights in ")
+    assert quantized_cache.folder().read_text() == "in the way"

@@ -85,8 +85,10 @@ def load_model(settings: ModelSettings, progress: ProgressCallback | None = None
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
     report(progress, description, 1, 1)  # quantizing, a stage of its own, comes after
-    if device.type == "cpu":  # before quantizing: layers take kvchat's layout where its kernels are built
-        kernels.built()
+    if device.type == "cpu" and not kernels.built():  # before quantizing: layers take kvchat's layout
+        note = kernels.failure_note()  # where its kernels are built
+        if note is not None:
+            tell(progress, note)
     folder = conversion.folder if conversion is not None else None
     quantization = apply_quantize(model, settings.quantize, source, folder, progress, settings.quant_cache)
     eos_ids = eos_token_ids(model, tokenizer)

@@ -167,15 +167,21 @@ class Build:
             self._report(f"{BUILDING} for this CPU")
         elif kind == "compiling":
             self._compiling.append(event["file"])
-            self._report(f"{BUILDING} for this CPU: {', '.join(self._compiling)}")
+            self._report(self._describe())
         elif kind == "compiled":
             self._compiling.remove(event["file"])
             self._done += 1
-            self._report(f"{BUILDING} for this CPU: {', '.join(self._compiling) or 'done'}")
+            self._report(self._describe())
         elif kind == "linking":
             self._report(f"{BUILDING} for this CPU: linking {name}")
         elif kind == "failed":
             self.results[name] = str(event.get("reason", "the build failed"))
+
+    def _describe(self) -> str:
+        """The files being compiled, or that all are done."""
+        if self._compiling:
+            return f"{BUILDING} for this CPU: {', '.join(self._compiling)}"
+        return f"{BUILDING} for this CPU" + (": done" if self._done >= self._total else "")
 
     def _report(self, description: str) -> None:
         if self._progress is not None:

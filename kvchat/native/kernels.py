@@ -46,7 +46,7 @@ INSTALL = (
     "install a C++ compiler (Debian/Ubuntu: apt install g++; Fedora: dnf install gcc-c++) and start again"
 )
 
-__all__ = ["BUILDING", "built", "build_error", "start_build", "status"]
+__all__ = ["BUILDING", "built", "build_error", "failure_note", "start_build", "status"]
 
 _builds: dict[str, Build] = {}  # each library's build in this process, once started
 
@@ -81,6 +81,15 @@ def status() -> str:
     if error.startswith("no C++ compiler"):
         return f"not built: {error}; {INSTALL} ({COST_WITHOUT})"
     return f"not built: {error} ({COST_WITHOUT})"
+
+
+def failure_note() -> str | None:
+    """The line a start tells where the kernels failed to build (a compile error, a folder it may not
+    write); None where they are built, or where there is no compiler (/info says that)."""
+    error = build_error()
+    if error is None or error.startswith("no C++ compiler"):
+        return None
+    return f"kvchat's kernels are not built ({error}); running without them: {COST_WITHOUT}"
 
 
 def int4_linear() -> Callable | None:
