@@ -47,9 +47,10 @@ class ModelSettings:
         0,
         "CPU threads for torch.",
         flag="--threads",
-        range=Range(0),
+        range=Range(0, 1024),
         note="0 picks automatically",
-        detail="0 means all physical cores but one, at least 1.",
+        detail="0 means all physical cores but one, at least 1. More than the CPUs kvchat may run on is "
+        "refused.",
     )
     quantize: str = setting(
         "none",
@@ -126,7 +127,10 @@ class CacheSettings:
         detail="Reuse and eviction work in whole blocks.",
     )
     prefill_chunk: int = setting(
-        512, "Most tokens sent through the model in one prefill forward pass.", range=Range(1)
+        512,
+        "Most tokens sent through the model in one prefill forward pass.",
+        range=Range(1, 8192),
+        detail="Its attention scores take memory in proportion to it times the context's length.",
     )
 
 

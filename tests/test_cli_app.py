@@ -236,18 +236,30 @@ def test_no_stdin_at_all_is_an_empty_script(monkeypatch):
 def test_progress_callback_drives_a_bar_on_a_terminal(monkeypatch):
     quiet = io.StringIO()
     with UI(color=False, err_file=quiet).progress() as progress:  # not a terminal: no bar
+        progress("building kvchat's kernels for this CPU", 0, 5)
         progress("loading fake/model", 0, 1)
         progress("converting x.gguf (once): tokenizer", 0, None)
+        progress("building kvchat's kernels for this CPU: a.cpp", 0, 5)
         progress("converting x.gguf (once): tensors", 3, 9)
-    assert quiet.getvalue() == "kvchat: converting x.gguf (once), into the cache; later starts skip this\n"
+        progress.note("the int4 weights kept in /x were damaged (y); quantizing again")
+    assert quiet.getvalue().splitlines() == [
+        "kvchat: building kvchat's kernels for this CPU (5 files, once) while the model loads; later starts "
+        "skip this",
+        "kvchat: converting x.gguf (once), into the cache; later starts skip this",
+        "kvchat: the int4 weights kept in /x were damaged (y); quantizing again",
+    ]
     monkeypatch.setenv("FORCE_COLOR", "1")
     err = io.StringIO()
     ui = UI(err_file=err, file=io.StringIO())
     with ui.progress() as progress:
         assert progress is not None
         progress("converting", 0, 4)
+        progress("building kvchat's kernels for this CPU: a.cpp, b.cpp", 1, 5)  # from the build's thread
         progress("converting", 4, 4)
         progress("loading", 1, None)
+        progress("building kvchat's kernels for this CPU: b.cpp", 2, 5)
+        shown = [(t.description, t.completed) for t in progress.bar.tasks]
+    assert shown == [("building kvchat's kernels for this CPU: b.cpp", 2), ("loading", 1)]
     assert "converting" in err.getvalue()
 
 
@@ -273,6 +285,7 @@ def test_run_dash_reads_stdin():
         (["--min-p", "1"], "kvchat: --min-p 1.0 must be in [0, 1)"),
         (["--dtype", "int8"], "kvchat: --dtype int8 must be one of auto, bf16, fp32, fp16"),
         (["--model", " "], "kvchat: --model   must not be empty"),
+        (["--threads", "100000"], "kvchat: --threads 100000 must be in [0, 1024] (0 picks automatically)"),
     ],
 )
 def test_bad_flags_are_named(args, message):
@@ -325,3 +338,35 @@ def test_a_switch_undoes_what_the_config_file_turned_on(tmp_path):
     result, factory = invoke(["--config", str(config), "--no-json"], stdin="/stats\n")
     assert result.exit_code == 0 and factory.settings.ui.json is False
     assert "hit rate" in result.stdout
+
+
+@pytest.mark.parametrize("json_lines", [False, True])
+def test_ctrl_c_between_script_commands_is_one_line_and_status_1(monkeypatch, json_lines):
+    def interrupted(shell, ui, script):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(app_module, "_run", interrupted)
+    result, _ = invoke(["--json"] if json_lines else [], stdin="/stats\n/stats\n")
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == ["error: interrupted; the commands after it did not run"]
+    if json_lines:
+        (record,) = [json.loads(line) for line in result.stdout.splitlines()]
+        assert record["ok"] is False and "interrupted" in record["error"]
+
+
+def test_ctrl_c_outside_any_command_exits_with_one_line_and_then_is_ignored(monkeypatch, capsys):
+    import signal
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(app_module, "_app", interrupted)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            app_module.main([])
+        assert exit_info.value.code == 1
+        assert capsys.readouterr().err == "kvchat: interrupted\n"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # while the process exits
+    finally:
+        signal.signal(signal.SIGINT, handler)

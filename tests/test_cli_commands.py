@@ -194,6 +194,8 @@ def test_delete_output():
         ("/system", "missing argument: /system TEXT"),
         ("/context", "missing argument"),
         ("/context @/no/such/file.txt", "no such file: /no/such/file.txt"),
+        ("/context @", "@ needs a file name: @FILE"),
+        ("/context @  ", "@ needs a file name: @FILE"),
         ("/use-output 7", "no output 7"),
         ("/use-output seven", "not a number: 'seven'"),
         ("/use-output 0", "must be 1 or more"),

@@ -98,6 +98,12 @@ def test_user_file_overrides_defaults(tmp_path: Path) -> None:
     assert settings.cache == Settings().cache
 
 
+def test_a_user_file_starting_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_bytes("\ufeff[sampling]\ntemperature = 0.25\n".encode())  # as Notepad saves UTF-8
+    assert load_settings(path).sampling.temperature == 0.25
+
+
 def test_user_file_found_through_env_and_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     xdg_file = tmp_path / "xdg" / "kvchat" / "config.toml"
     xdg_file.parent.mkdir(parents=True)

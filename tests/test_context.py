@@ -243,7 +243,7 @@ def test_load_refuses_mismatched_and_truncated_files(model, tmp_path):
     cm.save(path)
     other = make_manager(model, block_size=8)
     other.set_query("keep me")
-    with pytest.raises(StateFileError, match="block_size"):
+    with pytest.raises(StateFileError, match="made with blocks of 4 tokens; this session has blocks of 8"):
         other.load(path)
     data = path.read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])

@@ -136,3 +136,29 @@ def test_a_read_only_cache_still_loads(tmp_path: Path) -> None:
     k_proj = converted.get_submodule("model.layers.0.self_attn.k_proj")
     layers = GGUFInt4Layers(path, tmp_path / "missing" / "index.json", NUM_HEADS, NUM_KV_HEADS, num_layers=1)
     assert isinstance(layers("model.layers.0.self_attn.k_proj", k_proj), Int4Linear)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text[: len(text) // 2],  # truncated
+        lambda text: text.replace('"file_size": ', '"file_size": 1', 1),  # an edit its digest refuses
+        lambda text: "[]",
+    ],
+)
+def test_a_damaged_tensor_table_is_read_again_and_told(tmp_path: Path, damage) -> None:
+    path = tmp_path / "tiny.gguf"
+    converted = write_gguf_and_convert(path)
+    k_proj = converted.get_submodule("model.layers.0.self_attn.k_proj")
+    expected = file_layers(path)("model.layers.0.self_attn.k_proj", k_proj)
+    index = path.with_suffix(".json")
+    index.write_text(damage(index.read_text()))
+    told: list[str] = []
+    layers = GGUFInt4Layers(path, index, NUM_HEADS, NUM_KV_HEADS, num_layers=1, notify=told.append)
+    layer = layers("model.layers.0.self_attn.k_proj", k_proj)
+    assert isinstance(layer, Int4Linear) and isinstance(expected, Int4Linear)
+    assert torch.equal(layer.packed, expected.packed) and torch.equal(layer.params, expected.params)
+    assert len(told) == 1 and told[0].startswith(f"the tensor table kept in {index} was damaged")
+    told.clear()
+    GGUFInt4Layers(path, index, NUM_HEADS, NUM_KV_HEADS, num_layers=1, notify=told.append)
+    assert told == []  # written again whole

@@ -194,6 +194,10 @@ def test_apply_threads() -> None:
         assert apply_threads(0) == max(1, device_module.num_physical_cores() - 1)
         with pytest.raises(ConfigError):
             apply_threads(-1)
+        cpus = device_module.num_cpus()
+        assert apply_threads(cpus) == cpus
+        with pytest.raises(ConfigError, match=f"--threads {cpus + 1}: kvchat may run on {cpus} CPU"):
+            apply_threads(cpus + 1)  # refused before torch is asked (100,000 crashed it)
     finally:
         torch.set_num_threads(before)
 
@@ -208,24 +212,34 @@ def test_physical_cores_count_hyperthreads_once(monkeypatch: pytest.MonkeyPatch)
     assert device_module.num_physical_cores() == 1
 
 
+def fake_conversion(monkeypatch: pytest.MonkeyPatch, conversions: list[Path]) -> None:
+    """Conversions that write a small file of each required name, and are counted."""
+
+    def fake_save(
+        model: object, tokenizer: object, out_dir: Path, name: str, progress: object = None
+    ) -> None:
+        conversions.append(out_dir)
+        for required in gguf.REQUIRED_FILES:
+            (out_dir / required).write_text(f"{required} of {name}")
+
+    monkeypatch.setattr(gguf, "read_gguf", lambda path, progress=None: (None, None))
+    monkeypatch.setattr(gguf, "save_converted", fake_save)
+
+
 def test_conversion_is_atomic_and_runs_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     conversions: list[Path] = []
-
-    def fake_convert(gguf_path: Path, out_dir: Path, progress: object = None) -> None:
-        conversions.append(out_dir)
-        for name in gguf.REQUIRED_FILES:
-            (out_dir / name).write_text("x")
-
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(gguf, "convert_gguf", fake_convert)
+    fake_conversion(monkeypatch, conversions)
     target = packaged.converted_dir()
     target.mkdir(parents=True)
     (target / "config.json").write_text("half-written by a crashed converter")
+    leftover = target.with_name(f".{target.name}.999999999-0.part")  # a dead converter's staging folder
+    leftover.mkdir()
     assert packaged.ensure_converted() == target
     assert packaged.ensure_converted() == target
     assert len(conversions) == 1
     assert conversions[0] != target
-    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # staging folder removed
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # staging folders removed
     assert packaged.is_converted(target)
 
 
@@ -234,7 +248,6 @@ def test_a_users_gguf_converts_once_with_progress_then_loads_from_the_cache(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(loader_module, "is_packaged_file", lambda path: False)  # a user's own file
     user_file = tmp_path / "mine.gguf"
     shutil.copy(packaged.packaged_gguf(), user_file)
     calls: list[tuple[str, float, float | None]] = []
@@ -253,7 +266,7 @@ def test_a_users_gguf_converts_once_with_progress_then_loads_from_the_cache(
     def no_conversion(*args: object) -> None:
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(gguf, "convert_gguf", no_conversion)
+    monkeypatch.setattr(gguf, "read_gguf", no_conversion)
     again = load_model(settings)
     assert again.model_id == first.model_id == str(user_file.resolve())
     assert again.fingerprint == first.fingerprint and 2 in again.eos_token_ids
@@ -263,33 +276,53 @@ def test_a_users_gguf_converts_once_with_progress_then_loads_from_the_cache(
     assert gguf.converted_gguf_dir(user_file) == folder
 
 
-def test_the_conversion_key_follows_the_content_not_the_name_or_time(tmp_path: Path) -> None:
-    data = bytes(range(256)) * 40_000  # ~10 MiB: the sampled pieces lie apart
+def test_the_conversion_key_follows_the_whole_content_not_the_name_or_time(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 40_000  # ~10 MiB
     first, copy = tmp_path / "a.gguf", tmp_path / "b.gguf"
     first.write_bytes(data)
     copy.write_bytes(data)
     os.utime(copy, ns=(0, 0))
     assert gguf.content_key(first) == gguf.content_key(copy)
-    edited = bytearray(data)
-    edited[len(data) // 2 + 100] ^= 1  # one byte inside a sampled piece in the middle
-    copy.write_bytes(bytes(edited))
-    assert gguf.content_key(first) != gguf.content_key(copy)
+    for at in (len(data) // 3 + 12_345, len(data) // 2 + 100):  # anywhere, sampled piece or not
+        edited = bytearray(data)
+        edited[at] ^= 1
+        copy.write_bytes(bytes(edited))
+        assert gguf.content_key(first) != gguf.content_key(copy)
+    stamp = copy.stat()
+    copy.write_bytes(data)
+    os.utime(copy, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # the same size and time, other bytes
+    assert gguf.content_key(first) == gguf.content_key(copy)
     copy.write_bytes(data + b"x")
     assert gguf.content_key(first) != gguf.content_key(copy)
 
 
-def test_the_packaged_gguf_by_path_loads_the_packaged_conversion(
+def test_the_content_key_is_remembered_and_a_damaged_memory_is_hashed_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "a.gguf"
+    path.write_bytes(b"GGUF" + bytes(5000))
+    key = gguf.content_key(path)
+    hashed: list[Path] = []
+    real = gguf.cache_files.sha256_of
+    monkeypatch.setattr(gguf.cache_files, "sha256_of", lambda p: hashed.append(p) or real(p))
+    assert gguf.content_key(path) == key and hashed == []  # remembered
+    (tmp_path / "cache" / gguf.DIGESTS_FILE).write_text('{"x": [')
+    assert gguf.content_key(path) == key and hashed == [path]
+
+
+def test_a_copy_of_the_packaged_gguf_shares_its_conversion_and_an_edited_one_does_not(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     copy = tmp_path / "copy.gguf"
     shutil.copy(packaged.packaged_gguf(), copy)
-    assert packaged.is_packaged_file(packaged.packaged_gguf()) and packaged.is_packaged_file(copy)
-    other = tmp_path / "other.gguf"
-    other.write_bytes(b"GGUF" + bytes(1000))
-    assert not packaged.is_packaged_file(other)
-    seen: list[str] = []
-    monkeypatch.setattr(loader_module, "ensure_converted", lambda progress: seen.append("packaged"))
-    monkeypatch.setattr(loader_module, "ensure_gguf_converted", lambda path, progress: seen.append("user"))
-    for path in (copy, other):
-        loader_module._converted_folder(ModelSource("gguf", str(path)), None)
-    assert seen == ["packaged", "user"]
+    assert gguf.converted_gguf_dir(copy) == packaged.converted_dir()
+    edited = bytearray(copy.read_bytes())
+    edited[len(edited) // 2 + 777] ^= 0x10  # the same size, one weight byte between sampled pieces
+    copy.write_bytes(bytes(edited))
+    assert gguf.converted_gguf_dir(copy) != packaged.converted_dir()
+    seen: list[Path] = []
+    monkeypatch.setattr(loader_module, "ensure_gguf_converted", lambda path, progress: seen.append(path))
+    loader_module._conversion(ModelSource("packaged", packaged.HUB_ID), None)
+    loader_module._conversion(ModelSource("gguf", str(copy)), None)
+    assert seen == [packaged.packaged_gguf(), copy]

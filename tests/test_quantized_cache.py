@@ -32,7 +32,7 @@ def test_kept_layers_read_back_are_the_quantized_ones(mode: str) -> None:
     quantized_cache.save(quantized, report, path)
     fresh = make_tiny_model("qwen2", dtype=torch.bfloat16)
     assert quantized_cache.cache_path(fresh, mode) == path
-    assert quantized_cache.load(fresh, path) == report and report.num_replaced == 15
+    assert quantized_cache.load(fresh, path, mode) == report and report.num_replaced == 15
     expected, got = dict(quantized.named_buffers()), dict(fresh.named_buffers())
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[name], got[name]) for name in expected)
@@ -62,28 +62,52 @@ def kept(mode: str = "int4") -> Path:
     return path
 
 
-def test_a_damaged_file_or_one_of_another_shape_or_code_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+class Notes:
+    """A progress callback that keeps the notes it is told."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def __call__(self, description: str, completed: float, total: float | None) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+
+
+def test_a_damaged_file_or_one_of_another_shape_or_code_is_removed_and_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     path = kept()
-    whole = path.read_bytes()
-    path.write_bytes(whole[: len(whole) // 2])
-    model = make_tiny_model("llama", dtype=torch.bfloat16)
-    assert quantized_cache.load(model, path) is None
+    layers = path / quantized_cache.LAYERS
+    whole = layers.read_bytes()
+    layers.write_bytes(whole[: len(whole) // 2])
+    model, told = make_tiny_model("llama", dtype=torch.bfloat16), Notes()
+    assert quantized_cache.load(model, path, "int4", told) is None
     assert not any(type(m).__name__.startswith("Int") for m in model.modules())  # untouched
+    assert not path.exists() and len(told.notes) == 1 and "bytes where" in told.notes[0]
+    path = kept()
     other = make_tiny_model("llama", dtype=torch.bfloat16)
     other.lm_head = nn.Linear(64, 256, bias=False, dtype=torch.bfloat16)  # the kept one has 512 rows
-    path.write_bytes(whole)
-    assert quantized_cache.load(other, path) is None
+    assert quantized_cache.load(other, path, "int4", told) is None
+    assert "lm_head does not fit" in told.notes[-1] and not path.exists()
+    path = kept()
     monkeypatch.setattr(quantized_cache, "_code_version", lambda: "another kvchat")
-    assert quantized_cache.load(make_tiny_model("llama", dtype=torch.bfloat16), path) is None
+    assert quantized_cache.load(make_tiny_model("llama", dtype=torch.bfloat16), path, "int4", told) is None
+    assert "another version of kvchat" in told.notes[-1]
 
 
-def test_a_failed_write_leaves_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_write_leaves_no_file_and_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
     def full_disk(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(quantized_cache, "save_file", full_disk)
-    path = kept()
+    model, told = make_tiny_model("llama", dtype=torch.bfloat16), Notes()
+    path = quantized_cache.cache_path(model, "int4")
+    assert not quantized_cache.save(model, quantize_model(model, "int4"), path, told)
     assert not path.exists() and list(path.parent.iterdir()) == []
+    expected = f"cannot keep the int4 weights in {path.parent} (No space left on device)"
+    assert told.notes == [f"{expected}; quantizing again next start"]
 
 
 def saved_tiny_qwen2(tmp_path: Path) -> Path:
@@ -130,3 +154,13 @@ def test_quant_cache_off_neither_reads_nor_writes(tmp_path) -> None:
     assert len(list(kept.iterdir())) == 1
     again = stages(False)  # a kept file there is not read either
     assert "quantizing to int4" in again and not any("kept" in s for s in again)
+
+
+def test_a_file_where_the_folder_should_be_is_told_and_the_start_goes_on(tmp_path) -> None:
+    quantized_cache.folder().write_text("in the way")
+    folder, told = saved_tiny_qwen2(tmp_path), Notes()
+    settings = ModelSettings(model=str(folder), dtype="bf16", device="cpu", threads=1, quantize="int4")
+    loaded = load_model(settings, progress=told)
+    assert loaded.quantization is not None and loaded.quantization.mode == "int4"
+    assert len(told.notes) == 1 and told.notes[0].startswith("cannot keep the int4 weights in ")
+    assert quantized_cache.folder().read_text() == "in the way"

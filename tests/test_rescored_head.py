@@ -114,7 +114,7 @@ def test_a_kept_rescored_layer_reads_back_on_the_models_own_embedding() -> None:
     quantized.lm_head.num_exact = 16  # the tiny vocabulary would take the exact layer at 1,024
     quantized_cache.save(quantized, report, path)
     fresh = make_tiny_model("llama", dtype=torch.bfloat16)
-    assert quantized_cache.load(fresh, path) == report
+    assert quantized_cache.load(fresh, path, "int4") == report
     assert isinstance(fresh.lm_head, RescoredHead) and fresh.lm_head.num_exact == 16
     assert fresh.lm_head.weight is fresh.get_input_embeddings().weight
     x = torch.randn(1, 64, dtype=torch.bfloat16)

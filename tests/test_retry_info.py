@@ -8,9 +8,11 @@ import torch
 from kvchat.chunks.types import Role
 from kvchat.config import CacheSettings
 from kvchat.engine.engine import Engine
+from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
-from kvchat.errors import ChunkError
+from kvchat.errors import CacheFullError, ChunkError
 from kvchat.session import kv_memory_bytes
+from tests.faults import fault_at
 from tests.test_context import drain, make_manager
 from tests.tiny_models import make_tiny_model
 
@@ -57,6 +59,74 @@ def test_retry_of_an_inference_and_when_the_context_changed(model):
     with pytest.raises(ChunkError, match="context changed"):
         cm.retry(GREEDY)  # output 2 is in the context now
     assert [o.output_number for o in cm.outputs()] == [2]  # a refused retry deleted nothing
+
+
+def snapshot(cm) -> tuple:
+    """What a refused or interrupted /retry must leave as it was: chunks, context, answers, pins."""
+    chunks = [(c.chunk_id, c.role, c.text, c.output_number) for c in cm.registry.chunks.values()]
+    pinned = sorted(
+        (c.chunk_id, c.span.block_ids) for c in cm.registry.chunks.values() if c.span and c.span.pinned
+    )
+    return chunks, cm.system, list(cm.middle), list(cm.turns), cm.query, pinned
+
+
+def conversation(model):
+    """The issue's steps: a context, a query, /infer, then a chat message."""
+    cm = make_manager(model)
+    cm.add_context("the cat sat on a mat")
+    cm.set_query("where did the cat sit")
+    drain(cm.infer(GREEDY))
+    drain(cm.chat("Hello there!", GREEDY))
+    return cm
+
+
+def test_a_refused_retry_loses_nothing(model):
+    cm = conversation(model)
+    before = snapshot(cm)
+    with pytest.raises(CacheFullError, match="longer than the model's"):
+        drain(cm.retry(SamplingParams(max_tokens=100_000)))
+    assert snapshot(cm) == before and held_equal_to_references(cm)
+    cm.engine.blocks.check_invariants()
+    drain(cm.retry(GREEDY))  # and the same retry, within bounds, still works
+    assert [o.output_number for o in cm.outputs()] == [1, 3] and len(cm.turns) == 2
+
+
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, RuntimeError])
+def test_a_retry_interrupted_before_its_first_token_loses_nothing(model, fault):
+    cm = conversation(model)
+    before = snapshot(cm)
+    with fault_at([(cm.engine, "compute")], at=1, fault=fault):  # Ctrl-C 1 ms into /retry, or a failure
+        if fault is KeyboardInterrupt:
+            result = drain(cm.retry(SamplingParams(max_tokens=6)))
+            assert result.finish_reason == "cancelled" and result.output_number is None
+        else:
+            with pytest.raises(RuntimeError):
+                drain(cm.retry(SamplingParams(max_tokens=6)))
+    assert snapshot(cm) == before and held_equal_to_references(cm)
+    cm.engine.blocks.check_invariants()
+
+
+def test_a_retry_cancelled_after_its_first_token_replaces_the_answer(model):
+    cm = conversation(model)
+    stream = cm.retry(SamplingParams(max_tokens=50))
+    while not isinstance(next(stream), GenerationStep):
+        pass
+    result = stream.throw(KeyboardInterrupt())
+    assert result.finish_reason == "cancelled" and result.output_number == 3
+    assert [o.output_number for o in cm.outputs()] == [1, 3] and len(cm.turns) == 2
+    assert held_equal_to_references(cm)
+
+
+def test_a_retry_may_take_the_room_of_the_answer_it_replaces(model):
+    block_bytes = Engine(model, kv_memory_bytes=1 << 23, block_size=4, prefill_chunk=512).bytes_per_block
+    cm = make_manager(model, kv_memory=block_bytes * 24)  # 96 tokens
+    cm.set_query("count")
+    params = SamplingParams(max_tokens=40, temperature=0)
+    first = drain(cm.infer(params))
+    assert first.output_number == 1
+    again = drain(cm.retry(params))  # the prompt, 40 reserved, and output 1's pinned 40 would not fit
+    assert again.output_number == 2 and [o.output_number for o in cm.outputs()] == [2]
+    assert held_equal_to_references(cm)
 
 
 def test_model_info_reads_the_model_and_the_pool(model):

@@ -214,5 +214,26 @@ def test_a_file_of_another_model_says_so_before_any_schema_fault(saved, model): 
         meta["live"]["token_ids"][0] = 10**6  # in that model's vocabulary, not in this one's
 
     rewrite_meta(path, other_model)
-    with pytest.raises(StateFileError, match="made for fingerprint='other-1'"):
+    with pytest.raises(StateFileError, match="made with another configuration of "):
+        make_manager(model).load(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"model_id": "org/other", "fingerprint": "x"},
+            "made with model 'org/other'; this session runs 'tiny'",
+        ),
+        ({"weights": "int4", "fingerprint": "x"}, "made with int4 weights; this session has fp32 weights"),
+        (
+            {"dtype": "float32", "block_size": 16},
+            "made with blocks of 16 tokens; this session has blocks of 4",
+        ),
+    ],
+)
+def test_a_refusal_says_in_words_what_differs(saved, model, change, message):  # noqa: F811
+    _, path = saved
+    rewrite_meta(path, lambda meta: meta["layout"].update(change))
+    with pytest.raises(StateFileError, match=message):
         make_manager(model).load(path)

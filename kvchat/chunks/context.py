@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvchat.chunks import describe, persist
+from kvchat.chunks.budget import refuse_oversized
 from kvchat.chunks.chunk import Chunk, ChunkRegistry
 from kvchat.chunks.compose import NO_REPAIR, ComposedSequence, RepairPolicy
 from kvchat.chunks.context_file import save_session, stage_session
@@ -19,7 +20,7 @@ from kvchat.chunks.inference import Inference, Setup
 from kvchat.chunks.placement import Placement
 from kvchat.chunks.rendering import Rendering
 from kvchat.chunks.reports import FidelityReport
-from kvchat.chunks.retry import answer_to_retry
+from kvchat.chunks.retry import answer_to_retry, at_first_token, pin_again, unpin_replaced
 from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import (
     ChunkInfo,
@@ -77,8 +78,9 @@ class ContextManager(ContextPlacement, ContextViews):
     def register(self, role: Role, text: str, unique: bool = False) -> Chunk:
         if not text.strip():
             raise ChunkError(f"empty {role.value} text")
-        token_ids = self.format.text_ids(text)  # what identifies it; its ids in place come from the template
         capacity = self.engine.blocks.num_blocks * self.engine.block_size
+        refuse_oversized(self.tokenizer, text, capacity, role.value)
+        token_ids = self.format.text_ids(text)  # what identifies it; its ids in place come from the template
         if len(token_ids) >= capacity:
             raise CacheFullError(
                 f"{role.value} chunk of {len(token_ids)} tokens is larger than the whole KV budget "
@@ -174,18 +176,17 @@ class ContextManager(ContextPlacement, ContextViews):
         return self._run(self.placement(turn=turn), params, turn=turn)
 
     def retry(self, params: SamplingParams) -> InferenceStream:
-        """Generate the newest answer again from the context it came from, in its place. The answer it
-        replaces is deleted first (its pinned KV released, its blocks left cached until evicted); a
-        chat answer's user turn stays and is answered again."""
+        """Generate the newest answer again from the context it came from, in its place. The run is
+        composed and its room reserved first; the answer it replaces is deleted at the new answer's
+        first token (its KV blocks left cached until evicted), and a chat answer's user turn stays, with
+        the new answer after it. Refused or interrupted before that, the conversation is as it was."""
         ids = [c.chunk_id for c in self.context_chunks(with_query=False)]
         last, turn = answer_to_retry(self.registry, ids, self.query, self.turns)
-        if turn is not None:
-            self.turns.remove(turn.chunk_id)  # it rejoins together with its new answer
-        self._remove_from_context(last.chunk_id)
-        self._delete(last)
         if turn is None:
-            return self._run(self.placement(), params)
-        return self._run(self.placement(turn=turn), params, turn=turn)
+            return self._run(self.placement(), params, replacing=last)
+        assert self.turns[-2:] == [turn.chunk_id, last.chunk_id]
+        placement = self.placement(turn=turn, turns=self.turns[:-2])
+        return self._run(placement, params, turn=turn, replacing=last)
 
     def infer_blocking(self, params: SamplingParams) -> InferenceResult:
         """`infer` without streaming: the InferenceResult alone."""
@@ -237,29 +238,52 @@ class ContextManager(ContextPlacement, ContextViews):
             raise CacheFullError(f"{err}. {describe.deletable_outputs(self.registry)}") from None
 
     def _run(
-        self, placement: Placement, params: SamplingParams, turn: Chunk | None = None
+        self,
+        placement: Placement,
+        params: SamplingParams,
+        turn: Chunk | None = None,
+        replacing: Chunk | None = None,
     ) -> InferenceStream:
         """One inference, owned from composing to settling by its `with` block: whatever way it ends (an
-        answer, an error, Ctrl-C anywhere, the stream closed), its blocks are kept here or given back."""
+        answer, an error, Ctrl-C anywhere, the stream closed), its blocks are kept here or given back.
+        An answer `replacing` another (/retry) takes its place at its first token, not before."""
         self._release_live()  # its blocks stay cached, so the new sequence can still share them
         registry = self.registry  # replaced by a reset: an answer from before it is not kept after
         output: Chunk | None = None
+        lent = unpin_replaced(replacing, self.engine.blocks) if replacing is not None else None
+        replaced: list[Chunk] = []  # the answer replaced, once the new one's first token came
+
+        def replace() -> None:
+            assert replacing is not None
+            self._replace(replacing, turn)
+            replaced.append(replacing)
+
         try:
             with self._hinting(), Inference(self.setup, placement, params) as run:
                 try:
-                    yield from run.steps()
+                    yield from run.steps() if replacing is None else at_first_token(run.steps(), replace)
                 except GeneratorExit:
-                    if self.registry is registry:
+                    if self.registry is registry and (replacing is None or replaced):
                         self._settle(run, turn)  # the answer so far is kept
                     raise
-                if self.registry is registry:
+                if self.registry is registry and (replacing is None or replaced):
                     output = self._settle(run, turn)
         finally:
+            if replacing is not None and lent is not None and not replaced:
+                pin_again(replacing, lent, self.engine.blocks)
             if output is None and turn is not None and turn.chunk_id not in self.turns:
                 # A turn joins only together with its answer (unless it went with a reset meanwhile).
                 if self.registry.chunks.get(turn.chunk_id) is turn:
                     self.registry.remove(turn.chunk_id)
         yield run.result(output)
+
+    def _replace(self, old: Chunk, turn: Chunk | None) -> None:
+        """A retried answer's first token came: the answer it replaces goes; its user turn leaves the
+        turns, to rejoin them with the new answer."""
+        if turn is not None:
+            self.turns.remove(turn.chunk_id)
+        self._remove_from_context(old.chunk_id)
+        self._delete(old)
 
     def _settle(self, run: Inference, turn: Chunk | None) -> Chunk | None:
         """Keep the answer: its output chunk, the spans of the chunks it computed, the live sequence.

@@ -33,13 +33,20 @@ class ContextPlacement:
     query: str | None
     _renderings: dict[tuple, Rendering]
 
-    def placement(self, with_query: bool = True, turn: Chunk | None = None, strict: bool = True) -> Placement:
+    def placement(
+        self,
+        with_query: bool = True,
+        turn: Chunk | None = None,
+        strict: bool = True,
+        turns: list[str] | None = None,
+    ) -> Placement:
         """The context (with the query, or with a new user `turn` instead) as the chat template renders
-        it, each chunk's ids there. A chunk whose KV is not kept takes those ids as its own. Unless
-        `strict`, a context the template cannot render (a system prompt alone) is shown with the chunks'
-        own ids."""
+        it, each chunk's ids there; `turns` in place of the conversation's (a retry answers again without
+        the last pair). A chunk whose KV is not kept takes those ids as its own. Unless `strict`, a
+        context the template cannot render (a system prompt alone) is shown with the chunks' own ids."""
         last = [turn.chunk_id] if turn else [self.query] if with_query and self.query else []
-        ids = ([self.system] if self.system else []) + self.middle + self.turns + last
+        turns = self.turns if turns is None else turns
+        ids = ([self.system] if self.system else []) + self.middle + turns + last
         chunks = [self.registry.chunks[i] for i in ids]
         lead = None if self.system else self._template_lead()
         try:

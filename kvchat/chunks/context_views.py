@@ -58,7 +58,8 @@ class ContextViews:
         return describe.chunk_info(self.registry.chunks[chunk_id], self.engine.blocks, place)
 
     def chunks(self) -> list[ChunkInfo]:
-        return [self.info(i) for i in self.registry.chunks]
+        self.context_chunks()  # registers what the template writes first, before the registry is walked
+        return [self.info(i) for i in list(self.registry.chunks)]
 
     def context(self) -> list[ChunkInfo]:
         return [self.info(c.chunk_id) for c in self.context_chunks()]

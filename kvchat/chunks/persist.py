@@ -50,9 +50,11 @@ class SavedState:
 
 
 def layout(engine: Engine, model_id: str, fingerprint: str) -> dict[str, object]:
-    """What a state file must match to be loaded (the model id is informative only)."""
+    """What a state file must match to be loaded (the model id and the weights' description are
+    informative: the fingerprint covers them, they say in words what it differs by)."""
     return {
         "model_id": model_id,
+        "weights": _weights(engine),
         "fingerprint": fingerprint,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "block_size": engine.block_size,
@@ -123,16 +125,45 @@ def read(engine: Engine, layout: dict, path: Path) -> SavedState:
     return SavedState(path, meta, {k: t.to(engine.device) for k, t in tensors.items()}, num_blocks)
 
 
+def _weights(engine: Engine) -> str:
+    """The weights in a word: their quantization (int4, int8, ...), else their dtype (bf16, fp32)."""
+    from kvchat.models.device import DTYPE_NAMES
+    from kvchat.models.info import describe_quantization
+
+    mode = describe_quantization(engine.model).split()[0]
+    return DTYPE_NAMES.get(engine.dtype, str(engine.dtype)) if mode == "none" else mode
+
+
+# How a layout's entries read in a refusal: "made with int4 weights; this session runs bf16 weights".
+_IN_WORDS = {
+    "weights": "{} weights",
+    "dtype": "KV in {}",
+    "block_size": "blocks of {} tokens",
+    "num_layers": "{} layers",
+    "num_kv_heads": "{} KV heads",
+    "head_dim": "heads of {} dimensions",
+}
+
+
 def _check_layout(have: object, want: dict, path: Path) -> None:
-    """Refuse a file made for another model or KV layout (what it lacks, the schema names)."""
+    """Refuse a file made for another model or KV layout, saying in words what differs (what it
+    lacks, the schema names)."""
     if not isinstance(have, dict):
         return
     for key, value in want.items():
-        if key != "model_id" and key in have and have[key] != value:
-            raise StateFileError(
-                f"{path}: made for {key}={have[key]!r} (model {have.get('model_id')!r}), "
-                f"this session has {key}={value!r}"
-            )
+        if key == "model_id" or key not in have or have[key] == value:
+            continue
+        if key == "fingerprint":
+            model = want["model_id"]
+            if have.get("model_id") != model:
+                raise StateFileError(
+                    f"{path}: made with model {have.get('model_id')!r}; this session runs {model!r}"
+                )
+            raise StateFileError(f"{path}: made with another configuration of {want['model_id']}")
+        words = _IN_WORDS.get(key, f"{key} {{}}")
+        raise StateFileError(
+            f"{path}: made with {words.format(have[key])}; this session has {words.format(value)}"
+        )
 
 
 def _read_file(path: Path) -> tuple[str, dict[str, torch.Tensor]]:

@@ -1,8 +1,14 @@
-"""Which answer `/retry` generates again, and from what: pure bookkeeping over chunk ids."""
+"""Which answer `/retry` generates again, and from what (bookkeeping over chunk ids), and the answer's
+pinned KV lent to the new run until the new answer's first token replaces it."""
 
 from __future__ import annotations
 
-from kvchat.chunks.chunk import Chunk, ChunkRegistry
+import functools
+from collections.abc import Callable, Generator
+
+from kvchat.chunks.chunk import Chunk, ChunkRegistry, KVSpan
+from kvchat.engine.block_manager import BlockManager
+from kvchat.engine.records import GenerationStep, PrefillProgress
 from kvchat.errors import ChunkError
 
 
@@ -25,3 +31,53 @@ def answer_to_retry(
             "/infer or a message answers the current one"
         )
     return last, registry.chunks[expected[-1]] if is_turn else None
+
+
+def unpin_replaced(chunk: Chunk, blocks: BlockManager) -> KVSpan | None:
+    """Let the blocks of an answer being replaced go to the new run where it needs the room; the span
+    is given back by `pin_again` where the new answer never came."""
+    span, chunk.span = chunk.span, None
+    if span is not None:
+        span.release(blocks)
+    return span
+
+
+def pin_again(chunk: Chunk, span: KVSpan, blocks: BlockManager) -> None:
+    """Give a span lent by `unpin_replaced` back to its chunk, where its blocks still hold its KV."""
+    if not span.pinned or span.is_valid(blocks):
+        if span.pinned:
+            blocks.pin(list(span.block_ids))
+        chunk.span = span
+
+
+Steps = Generator[PrefillProgress | GenerationStep, None, None]
+
+
+def at_first_token(steps: Steps, action: Callable[[], None]) -> Steps:
+    """`yield from steps`, with `action` run just before the first generated token is passed on. What
+    is thrown in (Ctrl-C) goes on to `steps`, as with `yield from`."""
+    try:
+        step = next(steps)
+    except StopIteration:
+        return
+    while True:
+        if isinstance(step, GenerationStep):
+            action()
+            action = _nothing
+        try:
+            yield step
+        except GeneratorExit:
+            steps.close()
+            raise
+        except BaseException as thrown:  # noqa: BLE001 (handed on to `steps`, which decides)
+            advance = functools.partial(steps.throw, thrown)
+        else:
+            advance = functools.partial(next, steps)
+        try:
+            step = advance()
+        except StopIteration:
+            return
+
+
+def _nothing() -> None:
+    pass

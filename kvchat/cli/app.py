@@ -8,7 +8,9 @@ from __future__ import annotations
 import inspect
 import io
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -246,8 +248,9 @@ def session_main(
         return EXIT_CANNOT_START
     try:
         return run_prompt(shell, ui, prompt) if prompt is not None else _run(shell, ui, script)
-    except KeyboardInterrupt:
-        return EXIT_FAILED  # Ctrl-C between commands of a script: the rest did not run
+    except KeyboardInterrupt:  # Ctrl-C between commands of a script: the rest did not run
+        ui.error(None, "interrupted; the commands after it did not run" if prompt is None else "interrupted")
+        return EXIT_FAILED
 
 
 def _run(shell: Shell, ui: UI, script: Path | None) -> int:
@@ -306,4 +309,18 @@ def _stdin_bytes() -> BinaryIO:
     return stdin.buffer
 
 
-main = make_app()
+_app = make_app()
+
+
+def main(args: list[str] | None = None) -> None:
+    """The `kvchat` command. A Ctrl-C that comes outside any command (as kvchat exits, say) ends it
+    with one line and status 1, not a traceback or a death by SIGINT; once the work is done, Ctrl-C
+    is ignored while the process exits (its exit handlers run to the end)."""
+    try:
+        _app(args)
+    except KeyboardInterrupt:
+        UI(color=False).fatal("interrupted")
+        raise SystemExit(EXIT_FAILED) from None
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvchat.errors import CommandError
+from kvchat.paths import user_path
 
 MAX_FILE_BYTES = 16 << 20  # the largest file /context @FILE reads
 
@@ -18,6 +19,13 @@ def count(arg: str) -> int:
     if number < 1:
         raise CommandError(f"must be 1 or more: {arg}")
     return number
+
+
+def file_argument(text: str) -> Path:
+    """The file named after `@` (a leading ~ expanded); a CommandError where none is named."""
+    if not text.strip():
+        raise CommandError("@ needs a file name: @FILE")
+    return user_path(text)
 
 
 def read_text(path: Path) -> str:

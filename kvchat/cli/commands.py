@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvchat.chunks.types import InferenceResult, InferenceStream
 from kvchat.cli import cache_commands, file_commands, habit_commands, setting_commands
-from kvchat.cli.arguments import count, read_text
+from kvchat.cli.arguments import count, file_argument, read_text
 from kvchat.cli.results import (
     ChunkChange,
     ChunkList,
@@ -28,7 +28,6 @@ from kvchat.cli.settings import user_config_file
 from kvchat.cli.slash_commands import ArgKind, Command, CommandRegistry, command, split_command
 from kvchat.engine.records import GenerationStep, PrefillProgress
 from kvchat.errors import CommandError, KvchatError
-from kvchat.paths import user_path
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
@@ -84,7 +83,7 @@ class Shell:
         after the system prompt, in the order added; adding the same text again does nothing.
         @FILE reads a UTF-8 text file of at most 16 MiB (a leading ~ is your home directory).
         """
-        text = read_text(user_path(arg[1:])) if arg.startswith("@") else arg
+        text = read_text(file_argument(arg[1:])) if arg.startswith("@") else arg
         return ChunkChange("added", self.ctx.add_context(text))
 
     @command("query", "Set the query that /infer answers", usage="TEXT", arg=ArgKind.TEXT)

@@ -20,10 +20,12 @@ def retry(self: Shell, arg: str) -> InferenceStream:
     context: with sampling a new sample, greedily (temperature 0) the same answer in fp32. In bf16 it
     can differ at a near tie: the retry computes the last prompt token alone, where the first answer
     had it from a batched prefill, and bf16 rounds the two differently. The answer it replaces is
-    deleted: its output number is not used again, its text is gone, and its KV blocks
-    stay cached (reusable) until evicted. A chat answer's message stays in the conversation, with
-    the new answer after it. Refused when the context changed since that answer (say, a new /query
-    or /system), or when that output is itself in the context (/use-output).
+    deleted when the new answer's first token comes: its output number is not used again, its text
+    is gone, and its KV blocks stay cached (reusable) until evicted. Refused (say, --max-tokens too
+    long for the model) or stopped with Ctrl-C before that, nothing changes. A chat answer's message
+    stays in the conversation, with the new answer after it. Refused when the context changed since
+    that answer (say, a new /query or /system), or when that output is itself in the context
+    (/use-output).
     """
     return self.ctx.retry(self.settings.sampling)
 
@@ -39,6 +41,7 @@ def info(self: Shell, arg: str) -> ModelInfo:
       quantization    how the weights are stored (none: plain dtype), and whose kernels run them
       decode          how single tokens run: compiled graph (--compile), lean step or module forward;
                       "attention by gather" where kvchat's attention kernel could not be built, and why
+      kernels         kvchat's C++ kernels: built for this CPU, or why not, what to install, what it costs
       context length  the most positions the model was trained for
       chat template   its family (ChatML, Llama 3, ...), and the system prompt it inserts when none is set
       KV budget       tokens and bytes of the paged KV cache (--ctx-size or --kv-memory), its block size

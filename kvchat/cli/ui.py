@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 from rich.console import Console, RenderableType
-from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.text import Text
 from rich.theme import Theme
 
@@ -28,14 +28,12 @@ from kvchat.cli.results import (
     SettingsView,
 )
 from kvchat.cli.softwrap import SoftWrap
+from kvchat.cli.start_progress import start_progress
 from kvchat.engine.records import GenerationStep, PrefillProgress
 from kvchat.models.info import ModelInfo
 
 if TYPE_CHECKING:
     from kvchat.models.progress import ProgressCallback
-
-CONVERTING = "converting"  # how kvchat.models.gguf's conversion stages are described (not imported: torch)
-NOTE = "note: "  # kvchat.models.progress.NOTE: a line to tell, not a stage (not imported: transformers)
 
 THEME = Theme(
     {
@@ -197,47 +195,10 @@ class UI:
 
     @contextmanager
     def progress(self) -> Iterator[ProgressCallback]:
-        """A progress bar on stderr driven by the callback it yields, one stage at a time (a stage
-        without a count pulses). When stderr is no terminal, only a slow GGUF conversion is told, in
-        one line, so a script's first run does not sit silent."""
-        if not self.err_console.is_terminal:
-            yield self._progress_line()
-            return
-        columns = (
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TaskProgressColumn(show_speed=False),
-            TimeElapsedColumn(),
-        )
-        with Progress(*columns, console=self.err_console, transient=True) as bar:
-            current: list[tuple[str, TaskID]] = []  # the stage shown: its description and task
-
-            def report(description: str, completed: float, total: float | None) -> None:
-                if description.startswith(NOTE):
-                    self.warn(description.removeprefix(NOTE))
-                    return
-                if not current or current[0][0] != description:
-                    if current:
-                        bar.remove_task(current.pop()[1])
-                    current.append((description, bar.add_task(description, total=total)))
-                bar.update(current[0][1], completed=completed, total=total)
-
-            yield report
-
-    def _progress_line(self) -> ProgressCallback:
-        told: set[str] = set()
-
-        def report(description: str, completed: float, total: float | None) -> None:
-            if description.startswith(NOTE):
-                self.warn(description.removeprefix(NOTE))
-                return
-            head = description.partition(":")[0]
-            if head.startswith(CONVERTING) and head not in told:
-                told.add(head)
-                line = Text(f"kvchat: {head}, into the cache; later starts skip this", style="muted")
-                self._print(self.err_console, line)
-
-        return report
+        """What a start shows on stderr (cli/start_progress.py): bars for the model's stages and the
+        kernel build on a terminal; elsewhere one line for each slow first-start step and each note."""
+        with start_progress(self.err_console) as progress:
+            yield progress
 
 
 def _renderables(record: object) -> list[RenderableType]:

@@ -234,6 +234,8 @@ def info_table(info: ModelInfo) -> RenderableType:
     table.add_row("dtype", info.dtype)
     table.add_row("quantization", info.quantization)
     table.add_row("decode", info.decode)
+    if info.kernels:
+        table.add_row("kernels", info.kernels)
     context = f"{info.context_length:,} tokens" if info.context_length else "not stated"
     table.add_row("context length", context)
     template = info.chat_template

@@ -68,15 +68,30 @@ def describe_runtime(model_id: str, dtype: torch.dtype, device: torch.device) ->
 
 
 def apply_threads(num_threads: int) -> int:
-    """Set torch's CPU thread count (0 = automatic) and return the count used."""
+    """Set torch's CPU thread count (0 = automatic) and return the count used. More threads than the
+    CPUs this process may run on is refused: they only wait for each other (and tens of thousands
+    crash OpenMP)."""
     if num_threads < 0:
         raise ConfigError(f"threads must be >= 0, not {num_threads}")
+    cpus = num_cpus()
+    if num_threads > cpus:
+        raise ConfigError(
+            f"--threads {num_threads}: kvchat may run on {cpus} CPU{'s' if cpus > 1 else ''} here; "
+            f"give at most {cpus}, or 0 to pick"
+        )
     # SmolLM2 decode on 2 cores (scripts/bench_threads.py): in kvchat's engine a 2nd thread gains nothing,
     # one already reading at the memory's pace; through the module forward it was 5-10x slower when
     # another process wanted a core. Rule: all physical cores but one, at least 1.
     count = num_threads or max(1, num_physical_cores() - 1)
     torch.set_num_threads(count)
     return count
+
+
+def num_cpus() -> int:
+    """The CPUs this process may run on (hyper-threads counted each)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def num_physical_cores() -> int:

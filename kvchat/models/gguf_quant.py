@@ -10,9 +10,9 @@ layers are quantized from their dequantized weights like any other.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvchat import cache_files
 from kvchat.errors import ModelLoadError
 from kvchat.models.int4_rounding import GroupScales
 from kvchat.models.quantized_linears import GROUP_SIZE, Int4Linear
@@ -40,10 +41,16 @@ class GGUFInt4Layers:
     None for layers the file stores otherwise. Block 0's layers are checked against the dense ones."""
 
     def __init__(
-        self, path: Path, index_file: Path, num_heads: int, num_kv_heads: int, num_layers: int
+        self,
+        path: Path,
+        index_file: Path | None,
+        num_heads: int,
+        num_kv_heads: int,
+        num_layers: int,
+        notify: Callable[[str], None] | None = None,
     ) -> None:
         self.path = path
-        self.index = read_tensor_index(path, index_file)
+        self.index = read_tensor_index(path, index_file, notify)
         self.architecture = self.index.architecture
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.architecture), None)
@@ -102,17 +109,21 @@ class TensorIndex:
     tensors: dict[str, TensorEntry]
 
 
-def read_tensor_index(path: Path, index_file: Path) -> TensorIndex:
-    """The tensor table of `path`, kept in `index_file`: GGUFReader parses the whole vocabulary
-    (~10 s for SmolLM2's), so the file is read once."""
+def read_tensor_index(
+    path: Path, index_file: Path | None, notify: Callable[[str], None] | None = None
+) -> TensorIndex:
+    """The tensor table of `path`, kept in `index_file` (None: not kept): GGUFReader parses the whole
+    vocabulary (~10 s for SmolLM2's), so the file is read once. A kept table is checked (its own
+    SHA-256, every tensor inside the file) before use; a damaged one is read again and rewritten."""
     size = path.stat().st_size
-    if index_file.is_file():
-        saved = json.loads(index_file.read_text())
-        if saved["file_size"] == size:
-            entries = {
-                n: TensorEntry(gguf.GGMLQuantizationType(e[0]), *e[1:]) for n, e in saved["tensors"].items()
-            }
-            return TensorIndex(saved["architecture"], size, entries)
+    if index_file is not None and index_file.exists():
+        try:
+            return _read_index(index_file, size)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if notify is not None:
+                notify(
+                    f"the tensor table kept in {index_file} was damaged ({exc}); reading {path.name} again"
+                )
     reader = gguf.GGUFReader(path)
     tensors = {
         t.name: TensorEntry(
@@ -121,21 +132,44 @@ def read_tensor_index(path: Path, index_file: Path) -> TensorIndex:
         for t in reader.tensors
     }
     index = TensorIndex(str(reader.fields["general.architecture"].contents()), size, tensors)
-    try:
-        _write_index(index, index_file)
-    except OSError:
-        pass  # a read-only cache: parse the file again next time rather than fail the load
+    if index_file is not None:
+        try:
+            _write_index(index, index_file)
+        except OSError:
+            pass  # a read-only cache: parse the file again next time rather than fail the load
     return index
+
+
+def _read_index(index_file: Path, size: int) -> TensorIndex:
+    """A kept tensor table, whole and fitting a GGUF of `size` bytes; ValueError (or KeyError,
+    TypeError) where it is not."""
+    saved = json.loads(index_file.read_bytes())
+    body = saved["body"]
+    if saved["sha256"] != _digest(body):
+        raise ValueError("its SHA-256 differs")
+    if body["file_size"] != size:
+        raise ValueError(f"made for a file of {body['file_size']} bytes")
+    entries = {}
+    for name, (kind, offset, num_rows, row_bytes) in body["tensors"].items():
+        if not all(isinstance(v, int) and v >= 0 for v in (offset, num_rows, row_bytes)):
+            raise ValueError(f"{name} has a bad place")
+        if offset + num_rows * row_bytes > size:
+            raise ValueError(f"{name} ends past the file")
+        entries[name] = TensorEntry(gguf.GGMLQuantizationType(kind), offset, num_rows, row_bytes)
+    if not isinstance(body["architecture"], str):
+        raise TypeError("the architecture is not a name")
+    return TensorIndex(body["architecture"], size, entries)
 
 
 def _write_index(index: TensorIndex, index_file: Path) -> None:
     table = {n: [int(e.tensor_type), e.offset, e.num_rows, e.row_bytes] for n, e in index.tensors.items()}
-    text = json.dumps({"architecture": index.architecture, "file_size": index.file_size, "tensors": table})
+    body = {"architecture": index.architecture, "file_size": index.file_size, "tensors": table}
     # Written beside and renamed: another kvchat never reads half a file.
-    handle, temporary = tempfile.mkstemp(prefix=f".{index_file.name}-", dir=index_file.parent)
-    with os.fdopen(handle, "w") as file:
-        file.write(text)
-    os.replace(temporary, index_file)
+    cache_files.write_atomically(index_file, json.dumps({"body": body, "sha256": _digest(body)}).encode())
+
+
+def _digest(body: object) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def read_int4_blocks(

@@ -40,6 +40,7 @@ class ModelInfo:
     quantization: str = "none"
     decode: str = "module forward"  # how single tokens decode: compiled graph, lean step, module forward
     reuse: str = "exact, reposition, repair"  # the reuse modes the model runs, and why not the others
+    kernels: str = ""  # kvchat's C++ kernels: built, or why not and what to install
 
 
 def model_info(
@@ -56,6 +57,7 @@ def model_info(
     import torch
 
     from kvchat.models.device import DTYPE_NAMES
+    from kvchat.native import kernels
 
     param = next(model.parameters())
     config = model.config
@@ -74,6 +76,7 @@ def model_info(
         device=str(param.device),
         threads=torch.get_num_threads(),
         quantization=describe_quantization(model),
+        kernels=kernels.status() if param.device.type == "cpu" else f"for CPUs, not used on {param.device}",
     )
 
 

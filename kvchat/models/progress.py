@@ -1,11 +1,12 @@
-"""How model loading reports progress without knowing who displays it."""
+"""How model loading reports progress, and tells what it did about its caches, without knowing who
+displays either."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Iterator, Sized
 from contextlib import contextmanager
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from transformers import modeling_gguf_pytorch_utils as gguf_utils
 from transformers.utils import logging as hf_logging
@@ -19,12 +20,11 @@ class ProgressCallback(Protocol):
     def __call__(self, description: str, completed: float, total: float | None) -> None: ...
 
 
-NOTE = "note: "  # a description that starts so is a line to tell the user, not a stage
+@runtime_checkable
+class Notes(Protocol):
+    """A progress callback that also takes notes: one line each, about a cache rebuilt or not kept."""
 
-
-def tell(progress: ProgressCallback | None, message: str) -> None:
-    """Pass one line for the user (a choice kvchat made while loading) through `progress`."""
-    report(progress, NOTE + message, 1, 1)
+    def note(self, message: str) -> None: ...
 
 
 def report(
@@ -33,6 +33,12 @@ def report(
     """Call `progress` if there is one."""
     if progress is not None:
         progress(description, completed, total)
+
+
+def tell(progress: ProgressCallback | None, message: str) -> None:
+    """Give `progress` a note (`kvchat: ...` on the screen) where it takes notes."""
+    if isinstance(progress, Notes):
+        progress.note(message)
 
 
 @contextmanager

@@ -13,35 +13,58 @@
 - rescore.cpp: the highest logits of a rescored output layer computed again from the exact weight
   (`rescore_top`; models/rescored_head.py uses it).
 
-They are built at first use with the machine's C++ compiler (`torch.utils.cpp_extension`, ~25 s) for
-this CPU (`-march=native`), and cached by torch under a name that carries the CPU's features, so a
-cache shared between machines never serves one CPU another's build, and the sources' folder, so two
-copies of kvchat on one machine (a checkout and a clone of it) keep a build each instead of rebuilding
-over each other. Where they cannot be built, attention gathers the K/V, quantized layers run torch's
-own kernels and bf16 ones oneDNN's; `build_error()` says why.
+They are compiled for this CPU (`-march=native`) with the machine's C++ compiler, once, into two
+libraries: the first three sources make the one every start loads, the last two the quantized layers'
+one, built at the first start with --quantize. A first start builds them in a process of its own while
+the model loads (kvchat/native/build.py, runner.py); later starts load the libraries they left after
+checking them whole. Where they cannot be built (no compiler, a build that failed), attention gathers
+the K/V, quantized layers run torch's own kernels and bf16 ones oneDNN's; `build_error()` says why, and
+`status()` says it for /info with what to install.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import platform
-import shutil
 from collections.abc import Callable
-from contextlib import ExitStack
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-SOURCES = ("paged_decode.cpp", "decode_layer.cpp", "quantized_linear.cpp", "bf16_linear.cpp", "rescore.cpp")
-FLAGS = ["-O3", "-march=native"]
-LOADING = "Loading kvchat's kernels (built at the first start on a machine, ~25 s)"  # for progress
+from kvchat.native.build import BUILDING, Build, Library, Progress, plan
+
+FLAGS = ("-O3", "-march=native")
+# Every start on a CPU needs the first; only --quantize the second: a first start without it compiles
+# three files, not five.
+CORE = Library("kernels", ("paged_decode.cpp", "decode_layer.cpp", "bf16_linear.cpp"), FLAGS)
+QUANTIZED = Library("quantized", ("quantized_linear.cpp", "rescore.cpp"), FLAGS)
+LIBRARIES = (CORE, QUANTIZED)
+SOURCES = tuple(source for library in LIBRARIES for source in library.sources)
+# What decode loses without them, measured on SmolLM2-135M (bf16, one thread, Zen 4): see docs/caches.md.
+COST_WITHOUT = "decode runs about 3x slower without them"
+INSTALL = (
+    "install a C++ compiler (Debian/Ubuntu: apt install g++; Fedora: dnf install gcc-c++) and start again"
+)
+
+__all__ = ["BUILDING", "built", "build_error", "failure_note", "start_build", "status"]
+
+_builds: dict[str, Build] = {}  # each library's build in this process, once started
+
+
+def start_build(progress: Progress | None = None, quantized: bool = False) -> None:
+    """Start building the kernels (with `quantized`, the quantized layers' too) in the background
+    where they are not built yet, reporting to `progress`; returns at once. Asking for an op waits."""
+    wanted = [CORE, QUANTIZED] if quantized else [CORE]
+    missing = [library for library in wanted if library.name not in _builds]
+    if missing:
+        folder = Path(str(resources.files("kvchat.native")))
+        build = Build([plan(library, folder) for library in missing])
+        build.start(progress)
+        _builds.update((library.name, build) for library in missing)
 
 
 def built() -> bool:
-    """Whether the kernels are built and registered (building them if need be)."""
+    """Whether the kernels every start uses are built and registered (building them if need be)."""
     return _build()[0]
 
 
@@ -50,66 +73,91 @@ def build_error() -> str | None:
     return _build()[1]
 
 
+def status() -> str:
+    """The kernels' state in one line, for /info: built, or why not, what to install, what it costs."""
+    error = build_error()
+    if error is None:
+        return "kvchat's, built for this CPU"
+    if error.startswith("no C++ compiler"):
+        return f"not built: {error}; {INSTALL} ({COST_WITHOUT})"
+    return f"not built: {error} ({COST_WITHOUT})"
+
+
+def failure_note() -> str | None:
+    """The line a start tells where the kernels failed to build (a compile error, a folder it may not
+    write); None where they are built, or where there is no compiler (/info says that)."""
+    error = build_error()
+    if error is None or error.startswith("no C++ compiler"):
+        return None
+    return f"kvchat's kernels are not built ({error}); running without them: {COST_WITHOUT}"
+
+
 def int4_linear() -> Callable | None:
     """`kvchat::int4_linear`, or None where it is not built: no compiler, or no AVX-512 VNNI."""
-    return _cpu_specific_op("int4_linear")
+    return _quantized_op("int4_linear")
 
 
 def int8_linear() -> Callable | None:
     """`kvchat::int8_linear`, or None where it is not built: no compiler, or no AVX-512 VNNI."""
-    return _cpu_specific_op("int8_linear")
+    return _quantized_op("int8_linear")
 
 
 def bf16_linear() -> Callable | None:
     """`kvchat::bf16_linear`, or None where it is not built: no compiler, or no AVX-512 BF16."""
-    return _cpu_specific_op("bf16_linear")
+    # registered only where compiled for the instructions it needs
+    return getattr(torch.ops.kvchat, "bf16_linear", None) if built() else None
 
 
 def rescore_top() -> Callable | None:
     """`kvchat::rescore_top`, or None where the kernels are not built."""
-    return torch.ops.kvchat.rescore_top if built() else None
+    return _quantized_op("rescore_top")
 
 
-def _cpu_specific_op(name: str) -> Callable | None:
+def _quantized_op(name: str) -> Callable | None:
     # the linear kernels are registered only when compiled for the instructions they need
-    return getattr(torch.ops.kvchat, name, None) if built() else None
+    return getattr(torch.ops.kvchat, name, None) if built() and _load(QUANTIZED.name)[0] else None
+
+
+def _build() -> tuple[bool, str | None]:
+    """Whether the kernels every start uses are registered, and if not, why (tests replace it)."""
+    return _load(CORE.name)
 
 
 @functools.cache
-def _build() -> tuple[bool, str | None]:
-    """Whether the kernels are built and registered, and if not, why."""
+def _load(name: str) -> tuple[bool, str | None]:
+    """Wait for the library's build and load it; whether its ops are registered, and if not, why."""
+    start_build(quantized=name == QUANTIZED.name)
+    result = _builds[name].wait()[name]
+    if isinstance(result, str):
+        return False, result
     try:
-        from torch.utils import cpp_extension
-
-        _put_ninja_on_path()
-        with ExitStack() as stack:
-            folder = resources.files("kvchat.native")
-            paths = [str(stack.enter_context(resources.as_file(folder.joinpath(name)))) for name in SOURCES]
-            cpp_extension.load(
-                name=f"kvchat_kernels_{_build_tag(Path(paths[0]).parent)}",
-                sources=paths,
-                extra_cflags=FLAGS,
-                is_python_module=False,
-                verbose=False,
-            )
-    except Exception as error:  # a missing compiler or ninja, a failed build
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        return False, f"{type(error).__name__}: {first_line}"
-    _register_fakes()
+        torch.ops.load_library(str(result))
+    except OSError as exc:
+        return False, f"{name} did not load: {str(exc).strip().splitlines()[0]}"
+    _register_fakes(name)
     return True, None
 
 
-def _register_fakes() -> None:
+def _register_fakes(library: str) -> None:
     """Output shapes for torch.compile's tracing, of the ops the compiled graph calls (the lean step's
     decoder-layer ops are never traced)."""
+    if library == CORE.name:
 
-    @torch.library.register_fake("kvchat::paged_decode_attention")
-    def _(query, own_keys, own_values, keys, values, layer, slots, scale):
-        return query.new_empty(query.shape, dtype=torch.float32)
+        @torch.library.register_fake("kvchat::paged_decode_attention")
+        def _(query, own_keys, own_values, keys, values, layer, slots, scale):
+            return query.new_empty(query.shape, dtype=torch.float32)
 
-    @torch.library.register_fake("kvchat::paged_attention")
-    def _(query, keys, values, layer, slots, num_new, scale):
-        return query.new_empty(query.shape, dtype=torch.float32)
+        @torch.library.register_fake("kvchat::paged_attention")
+        def _(query, keys, values, layer, slots, num_new, scale):
+            return query.new_empty(query.shape, dtype=torch.float32)
+
+        if hasattr(torch.ops.kvchat, "bf16_linear"):
+
+            @torch.library.register_fake("kvchat::bf16_linear")
+            def _(x, tiles, bias, residual=None):
+                return x.new_empty((x.shape[0], tiles.shape[0] * 16))
+
+        return
 
     @torch.library.register_fake("kvchat::rescore_top")
     def _(logits, weight, hidden, num_exact):
@@ -121,32 +169,3 @@ def _register_fakes() -> None:
             @torch.library.register_fake(name)
             def _(x, codes, params):
                 return x.new_empty((x.shape[0], codes.shape[0] * 16), dtype=torch.float32)
-
-    if hasattr(torch.ops.kvchat, "bf16_linear"):
-
-        @torch.library.register_fake("kvchat::bf16_linear")
-        def _(x, tiles, bias, residual=None):
-            return x.new_empty((x.shape[0], tiles.shape[0] * 16))
-
-
-def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; a virtual environment that was not activated has the ninja
-    package's binary off it."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-
-
-def _build_tag(sources: Path) -> str:
-    """A short hash of what -march=native compiles for (the machine type and its CPU's feature flags)
-    and of where the sources are."""
-    flags = ""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        lines = cpuinfo.read_text().splitlines()
-        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
-    return hashlib.sha256(f"{platform.machine()} {flags} {sources.resolve()}".encode()).hexdigest()[:12]
