@@ -70,15 +70,6 @@ class ModelSettings:
         detail="In quantized/ of the cache folder (~/.cache/kvchat or $KVCHAT_CACHE_DIR), one file per "
         "model and mode (1.9 GB for a 3B model in int4); deleting it is safe.",
     )
-    compile: bool = setting(
-        False,
-        "Compile the decode step of Llama, Qwen2 and Qwen3 models on CPU with torch.compile. Where "
-        "kvchat's kernels are built it is no faster than the default step (every layer one native "
-        "op), after a compile of a minute or two at load; bf16/fp32 linear weights get a second, "
-        "packed copy (int8/int4 ones on kvchat's kernels do not).",
-        flag="--compile",
-        detail="Needs a C++ compiler. Other families and CUDA decode as without it.",
-    )
     draft_model: str | None = setting(
         None,
         "A small model sharing the tokenizer that drafts tokens for decode.speculate = draft.",
@@ -270,6 +261,10 @@ class Settings:
 
 
 TABLES: dict[str, type] = typing.get_type_hints(Settings)
+# Settings that existed once, by `table.key`, with why they went: a config that still sets one is told so.
+REMOVED: dict[str, str] = {
+    "model.compile": "the compiled decode step was no faster than the default one; delete the line",
+}
 EXTERNAL_SPECS: dict[type, dict[str, Spec]] = {SamplingParams: SAMPLING_SPECS}  # tables declared elsewhere
 
 

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from kvchat.engine.bf16_linears import TiledLinear, can_tile, fuse_tiled, tile_linears_
-from kvchat.engine.compiled_step import has_cpp_compiler
 from kvchat.models.weight_layout import tile_bf16, untile_bf16
 from kvchat.native import kernels
+from kvchat.native.kernels import has_cpp_compiler
 
 
 def _cpu_has_bf16() -> bool:

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvchat.engine.compiled_step import has_cpp_compiler
 from kvchat.engine.decode_step import rope
 from kvchat.native import kernels
+from kvchat.native.kernels import has_cpp_compiler
 
 pytestmark = pytest.mark.skipif(not has_cpp_compiler(), reason="the ops are built with a C++ compiler")
 

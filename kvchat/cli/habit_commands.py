@@ -37,8 +37,8 @@ def info(self: Shell, arg: str) -> ModelInfo:
       parameters      the number of weights
       dtype           the weights dtype in use (auto resolved)
       quantization    how the weights are stored (none: plain dtype), and whose kernels run them
-      decode          how single tokens run: compiled graph (--compile), lean step or module forward;
-                      "attention by gather" where kvchat's attention kernel could not be built, and why
+      decode          how single tokens run: lean step or module forward; "attention by gather" where
+                      kvchat's attention kernel could not be built, and why
       context length  the most positions the model was trained for
       chat template   its family (ChatML, Llama 3, ...), and the system prompt it inserts when none is set
       KV budget       tokens and bytes of the paged KV cache (--ctx-size or --kv-memory), its block size

@@ -9,8 +9,7 @@ token's weights at 21-24 GB/s, and is as fast as oneDNN's GEMM on a 512-token pr
 AMX, where it runs several rows on the tile unit, faster), so it serves every row count. oneDNN's
 serves CPUs without AVX-512 BF16.
 Either keeps its weight out of the module's parameters (the packed one is an opaque tensor; the tiles
-are a buffer; under `--compile` a tiled layer keeps its weight too, for the graph): a tied output
-layer keeps the embedding's tensor and gets its own copy.
+are a buffer): a tied output layer keeps the embedding's tensor and gets its own copy.
 
 A decoder layer's projections that read the same input (query, key and value; gate and up) are also
 fused into one tiled weight (`fuse_tiled`) for the lean step's decoder_layers, one kernel call where
@@ -20,7 +19,6 @@ there were two or three; the layers keep views of its tiles, so the weights are 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvchat.models import weight_layout as layout
@@ -58,24 +56,19 @@ class TiledLinear(nn.Module):
     tiles: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, tiles: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor | None = None):
+    def __init__(self, tiles: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = tiles.shape[1] * 2, tiles.shape[0] * TILE_ROWS
         self.register_buffer("tiles", tiles)  # (out/16, in/2, 32)
         self.register_buffer("bias", bias)
-        self.weight = weight  # for a compiled graph, else None
 
     @classmethod
-    def of(cls, linear: nn.Linear, keep_weight: bool = False) -> TiledLinear:
-        """The tiled layer of `linear`, keeping its weight too if asked."""
+    def of(cls, linear: nn.Linear) -> TiledLinear:
+        """The tiled layer of `linear`."""
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(layout.tile_bf16(linear.weight.detach()), bias, linear.weight if keep_weight else None)
+        return cls(layout.tile_bf16(linear.weight.detach()), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and self.weight is not None:
-            # In the compiled graph inductor packs the weight for its own GEMV, faster there than
-            # this kernel's calls.
-            return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (N, in)
         out = torch.ops.kvchat.bf16_linear(rows, self.tiles, self.bias)  # (N, out)
         return out.view(*x.shape[:-1], self.out_features)
@@ -120,10 +113,9 @@ def fuse_tiled(linears: list[nn.Module]) -> TiledLinear | None:
     return fused
 
 
-def tile_linears_(model: nn.Module, keep_weights: bool = False) -> int:
-    """Replace every linear of `model` that `can_tile` in place; returns how many were replaced. With
-    `keep_weights` each keeps its weight too, for a compiled graph (compiled_step.py)."""
-    return _replace(model, can_tile, lambda linear: TiledLinear.of(linear, keep_weights))
+def tile_linears_(model: nn.Module) -> int:
+    """Replace every linear of `model` that `can_tile` in place; returns how many were replaced."""
+    return _replace(model, can_tile, TiledLinear.of)
 
 
 def pack_linears_(model: nn.Module) -> int:

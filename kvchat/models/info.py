@@ -36,7 +36,7 @@ class ModelInfo:
     threads: int
     source: str = ""  # where the weights came from: "packaged GGUF at ...", "local folder ...", ...
     quantization: str = "none"
-    decode: str = "module forward"  # how single tokens decode: compiled graph, lean step, module forward
+    decode: str = "module forward"  # how single tokens decode: lean step, module forward
 
 
 def model_info(

@@ -1,7 +1,7 @@
 """Builds and registers kvchat's C++ kernels (`torch.ops.kvchat`):
 - paged_decode.cpp: attention over the paged pool that reads each past row once in place
-  (`paged_decode_attention`, `paged_attention`, `paged_attention_rows`; engine/native_attention.py
-  and the lean decode step use them);
+  (`paged_attention`, `paged_attention_rows`; engine/native_attention.py and the lean decode step
+  use them);
 - decode_layer.cpp: a decoder layer's small steps between its products, one op each (`rms_norm`,
   `rope_write`, `silu_mul`), and every decoder layer of a model in one (`decoder_layers`);
   engine/decode_step.py uses them;
@@ -38,6 +38,11 @@ import torch
 SOURCES = ("paged_decode.cpp", "decode_layer.cpp", "quantized_linear.cpp", "bf16_linear.cpp", "rescore.cpp")
 FLAGS = ["-O3", "-march=native"]
 LOADING = "Loading kvchat's kernels (built at the first start on a machine, ~25 s)"  # for progress
+
+
+def has_cpp_compiler() -> bool:
+    """Whether a C++ compiler is on PATH ($CXX, g++ or clang++), which building the kernels needs."""
+    return any(shutil.which(name) for name in (os.environ.get("CXX") or "g++", "clang++"))
 
 
 def built() -> bool:
@@ -95,38 +100,7 @@ def _build() -> tuple[bool, str | None]:
     except Exception as error:  # a missing compiler or ninja, a failed build
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return False, f"{type(error).__name__}: {first_line}"
-    _register_fakes()
     return True, None
-
-
-def _register_fakes() -> None:
-    """Output shapes for torch.compile's tracing, of the ops the compiled graph calls (the lean step's
-    decoder-layer ops are never traced)."""
-
-    @torch.library.register_fake("kvchat::paged_decode_attention")
-    def _(query, own_keys, own_values, keys, values, layer, slots, scale):
-        return query.new_empty(query.shape, dtype=torch.float32)
-
-    @torch.library.register_fake("kvchat::paged_attention")
-    def _(query, keys, values, layer, slots, num_new, scale):
-        return query.new_empty(query.shape, dtype=torch.float32)
-
-    @torch.library.register_fake("kvchat::rescore_top")
-    def _(logits, weight, hidden, num_exact):
-        return None
-
-    if hasattr(torch.ops.kvchat, "int4_linear"):
-        for name in ("kvchat::int4_linear", "kvchat::int8_linear"):
-
-            @torch.library.register_fake(name)
-            def _(x, codes, params):
-                return x.new_empty((x.shape[0], codes.shape[0] * 16), dtype=torch.float32)
-
-    if hasattr(torch.ops.kvchat, "bf16_linear"):
-
-        @torch.library.register_fake("kvchat::bf16_linear")
-        def _(x, tiles, bias, residual=None):
-            return x.new_empty((x.shape[0], tiles.shape[0] * 16))
 
 
 def _put_ninja_on_path() -> None:

@@ -1,7 +1,6 @@
 // Attention over the paged K/V pool that reads each past key and value once, in place, by slot,
 // registered for CPU (built by kvchat/native/kernels.py):
-//   kvchat::paged_decode_attention  one token whose K/V are not in the pool yet (the compiled graph);
-//   kvchat::paged_attention         a few new tokens whose K/V the pool holds (the lean step);
+//   kvchat::paged_attention         new tokens whose K/V the pool holds (the lean step);
 //   kvchat::paged_attention_rows    the same, returned in the layout the output projection takes.
 //
 // fp32 arithmetic throughout: scores of the grouped query heads against the keys, a softmax, and the
@@ -217,22 +216,20 @@ void mix_any(const float* probs, int64_t stride, int64_t G, int64_t D, const T* 
       for (int64_t d = 0; d < D; ++d) out[g * D + d] += probs[g * stride + t] * to_float(rows[t][d]);
 }
 
-// One KV head's rows: positions 0..length-1 at their slots in the pool, then, where `own` is set,
-// one more position whose row is `own` (a token's K/V not yet in the pool).
+// One KV head's rows: positions 0..length-1 at their slots in the pool.
 template <typename T>
 struct HeadRows {
   const T* head;
   int64_t row_stride;
   const int64_t* slots;
   int64_t length;
-  const T* own;
 
-  int64_t total() const { return length + (own != nullptr ? 1 : 0); }
+  int64_t total() const { return length; }
 
   // the rows of positions t0.. (at most kTile); returns how many
   int64_t tile(int64_t t0, const T** rows) const {
     const int64_t count = std::min<int64_t>(kTile, total() - t0);
-    for (int64_t i = 0; i < count; ++i) rows[i] = t0 + i < length ? head + slots[t0 + i] * row_stride : own;
+    for (int64_t i = 0; i < count; ++i) rows[i] = head + slots[t0 + i] * row_stride;
     return count;
   }
 };
@@ -287,19 +284,17 @@ void head_mix(const float* probs, int64_t R, int64_t D, const HeadRows<T>& heads
 
 // The attention of the scaled query rows q (Hk, R, D) of `num_new` new tokens (row r is token
 // r % num_new, the last num_new positions, each seeing the positions up to its own) over one layer
-// of the pool at `slots`, then the token's own K/V (Hk, D) where given (undefined tensors otherwise).
+// of the pool at `slots`.
 template <typename T>
 void attend(at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t layer, const at::Tensor& slots,
-            const at::Tensor& own_keys, const at::Tensor& own_values, int64_t num_new, at::Tensor& out) {
+            int64_t num_new, at::Tensor& out) {
   const int64_t Hk = q.size(0), R = q.size(1), D = q.size(2), length = slots.size(0);
   const int64_t layer_stride = keys.stride(0), head_stride = keys.stride(1), row_stride = keys.stride(2);
   const int64_t* slot = slots.const_data_ptr<int64_t>();
-  const auto rows_of = [&](const at::Tensor& pool, const at::Tensor& own, int64_t h) {
-    const T* own_row = own.defined() ? own.const_data_ptr<T>() + h * D : nullptr;
-    return HeadRows<T>{pool.const_data_ptr<T>() + layer * layer_stride + h * head_stride, row_stride, slot, length,
-                       own_row};
+  const auto rows_of = [&](const at::Tensor& pool, int64_t h) {
+    return HeadRows<T>{pool.const_data_ptr<T>() + layer * layer_stride + h * head_stride, row_stride, slot, length};
   };
-  const int64_t total = length + (own_keys.defined() ? 1 : 0);
+  const int64_t total = length;
   bool paired = false;  // as load_row reads the rows
   by_head_size(D, [&](auto vectors) { paired = kPaired<T, decltype(vectors)::value>; });
   if (paired) split_pairs(q.mutable_data_ptr<float>(), q.numel());
@@ -307,7 +302,7 @@ void attend(at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int
   float* score = scores.mutable_data_ptr<float>();
   at::parallel_for(0, Hk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h)
-      head_scores<T>(q.const_data_ptr<float>() + h * R * D, R, D, rows_of(keys, own_keys, h), score + h * R * total);
+      head_scores<T>(q.const_data_ptr<float>() + h * R * D, R, D, rows_of(keys, h), score + h * R * total);
   });
   if (num_new > 1) {  // each new token sees the positions up to its own
     for (int64_t row = 0; row < Hk * R; ++row) {
@@ -318,7 +313,7 @@ void attend(at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int
   const at::Tensor probs = at::softmax(scores, -1);
   at::parallel_for(0, Hk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h)
-      head_mix<T>(probs.const_data_ptr<float>() + h * R * total, R, D, rows_of(values, own_values, h),
+      head_mix<T>(probs.const_data_ptr<float>() + h * R * total, R, D, rows_of(values, h),
                   out.mutable_data_ptr<float>() + h * R * D);
   });
   if (paired) join_pairs(out.mutable_data_ptr<float>(), out.numel());
@@ -360,23 +355,6 @@ void attend_as_pool(const at::Tensor& keys, Args&&... args) {
   else attend<c10::BFloat16>(std::forward<Args>(args)...);
 }
 
-// One token: query (Hk, G, D), the query heads grouped by the KV head they read; own_keys, own_values
-// (Hk, D), the token's K/V, not in the pool; keys, values (L, Hk, S, D), the pool; slots (T,), where
-// positions 0..T-1 are. Returns fp32 (Hk, G, D).
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& own_keys, const at::Tensor& own_values,
-                                  const at::Tensor& keys, const at::Tensor& values, int64_t layer,
-                                  const at::Tensor& slots, double scale) {
-  TORCH_CHECK(own_keys.dim() == 2 && own_keys.sizes() == own_values.sizes() && own_keys.size(0) == query.size(0) &&
-                  own_keys.size(1) == query.size(2),
-              "own K/V (Hk, D)");
-  auto [q, index] = prepare(query, keys, values, layer, slots, scale);
-  const at::Tensor own_k = own_keys.to(keys.scalar_type()).contiguous();
-  const at::Tensor own_v = own_values.to(values.scalar_type()).contiguous();
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  attend_as_pool(keys, q, keys, values, layer, index, own_k, own_v, int64_t{1}, out);
-  return out;
-}
-
 // num_new tokens whose K/V the pool holds, at the last num_new of `slots` (T,): query (Hk, G * num_new,
 // D), row g * num_new + i the query head g of the KV head's group for new token i, which sees positions
 // 0..T-num_new+i. Returns fp32 (Hk, G * num_new, D).
@@ -386,7 +364,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
               "num_new tokens: a multiple of query rows, at most the positions");
   auto [q, index] = prepare(query, keys, values, layer, slots, scale);
   at::Tensor out = at::empty(q.sizes(), q.options());
-  attend_as_pool(keys, q, keys, values, layer, index, at::Tensor(), at::Tensor(), num_new, out);
+  attend_as_pool(keys, q, keys, values, layer, index, num_new, out);
   return out;
 }
 
@@ -402,9 +380,6 @@ at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& keys,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvchat, m) {
-  m.def(
-      "paged_decode_attention(Tensor query, Tensor own_keys, Tensor own_values, Tensor keys, Tensor values, "
-      "int layer, Tensor slots, float scale) -> Tensor");
   m.def("paged_attention(Tensor query, Tensor keys, Tensor values, int layer, Tensor slots, int num_new, "
         "float scale) -> Tensor");
   m.def("paged_attention_rows(Tensor query, Tensor keys, Tensor values, int layer, Tensor slots, int num_new, "
@@ -412,7 +387,6 @@ TORCH_LIBRARY_FRAGMENT(kvchat, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_attention_rows", &paged_attention_rows);
 }
