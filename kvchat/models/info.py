@@ -76,9 +76,12 @@ def model_info(
 
 def describe_quantization(model: Any) -> str:
     """How the linear weights are stored and whose kernels run them: "none", "none (bf16 on kvchat's
-    kernel)", "int4 (kvchat's kernels)", "int4-g128 (kvchat's kernels)", "int8 (torch's kernels)", ...
+    kernel)", "none (fp32 on kvchat's kernel)", "int4 (kvchat's kernels)", "int4-g128 (kvchat's
+    kernels)", "int8 (torch's kernels)", ...
     (an int4 model's int8 output layer counts as int4's), and "the output layer rescored" where it is a
     RescoredHead."""
+    import torch
+
     from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
     from kvchat.models.quantized_linears import Int4Linear, Int8Linear
     from kvchat.models.rescored_head import RescoredHead
@@ -86,6 +89,9 @@ def describe_quantization(model: Any) -> str:
     layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
     if not layers:
         modules = list(model.modules())
+        tiled = [m for m in modules if isinstance(m, TiledLinear)]
+        if tiled and tiled[0].tiles.dtype != torch.bfloat16:
+            return "none (fp32 on kvchat's kernel)"
         bf16_kinds = {"kvchat": TiledLinear, "oneDNN": PackedLinear}
         found = [name for name, kind in bf16_kinds.items() if any(isinstance(m, kind) for m in modules)]
         if not found:

@@ -4,12 +4,15 @@
   use them);
 - decode_layer.cpp: a decoder layer's small steps between its products, one op each (`rms_norm`,
   `rope_write`, `silu_mul`), and every decoder layer of a model in one (`decoder_layers`);
-  engine/decode_step.py uses them;
+  engine/decode_step.py uses them; and `set_batch_invariant`, whether the linear kernels keep to
+  their batch-invariant paths (`set_batch_invariant` below);
 - quantized_linear.cpp: int4 and int8 linear layers at the machine's read bandwidth, on CPUs with
   AVX-512 VNNI (`int4_linear`, `int8_linear`; models/quantized_linears.py uses them);
 - bf16_linear.cpp: the bf16 linear layer at the machine's read bandwidth, on CPUs with AVX-512 BF16,
-  several rows (prefill, speculation's drafts) on AMX's tiles where the CPU has them (`bf16_linear`;
-  engine/decode_step.py's TiledLinear uses it);
+  several rows (prefill, speculation's drafts) on AMX's tiles where the CPU has them and batch
+  invariance is off (`bf16_linear`; engine/bf16_linears.py's TiledLinear uses it);
+- fp32_linear.cpp: the fp32 linear layer, one order of sums for any number of rows, on CPUs with
+  AVX-512 (`fp32_linear`; TiledLinear over fp32 tiles uses it);
 - rescore.cpp: the highest logits of a rescored output layer computed again from the exact weight
   (`rescore_top`; models/rescored_head.py uses it).
 
@@ -35,7 +38,14 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("paged_decode.cpp", "decode_layer.cpp", "quantized_linear.cpp", "bf16_linear.cpp", "rescore.cpp")
+SOURCES = (
+    "paged_decode.cpp",
+    "decode_layer.cpp",
+    "quantized_linear.cpp",
+    "bf16_linear.cpp",
+    "fp32_linear.cpp",
+    "rescore.cpp",
+)
 FLAGS = ["-O3", "-march=native"]
 LOADING = "Loading kvchat's kernels (built at the first start on a machine, ~25 s)"  # for progress
 
@@ -68,6 +78,19 @@ def int8_linear() -> Callable | None:
 def bf16_linear() -> Callable | None:
     """`kvchat::bf16_linear`, or None where it is not built: no compiler, or no AVX-512 BF16."""
     return _cpu_specific_op("bf16_linear")
+
+
+def fp32_linear() -> Callable | None:
+    """`kvchat::fp32_linear`, or None where it is not built: no compiler, or no AVX-512."""
+    return _cpu_specific_op("fp32_linear")
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Whether the linear kernels keep to their batch-invariant paths, process-wide (where the kernels
+    are built): on, a row's outputs are the same bits whatever rows come with it; off, several rows may
+    go to AMX's tiles where the CPU has them, faster, in another order of sums."""
+    if built():
+        torch.ops.kvchat.set_batch_invariant(on)
 
 
 def rescore_top() -> Callable | None:
