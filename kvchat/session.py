@@ -72,6 +72,7 @@ def make_engine(loaded: LoadedModel, settings: Settings) -> Engine:
         kv_memory_bytes=budget,
         block_size=settings.cache.block_size,
         prefill_chunk=settings.cache.prefill_chunk,
+        batch_invariant=settings.model.batch_invariant,
     )
 
 

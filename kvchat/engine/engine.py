@@ -20,6 +20,7 @@ from kvchat.engine.forward_cache import ForwardCache, cache_argument
 from kvchat.engine.paged_attention import KVPool, PagedKV
 from kvchat.errors import CacheFullError
 from kvchat.models.quantized_linears import Int4Linear, Int8Linear
+from kvchat.native import kernels
 
 
 def kv_shape(config) -> tuple[int, int, int]:
@@ -60,9 +61,12 @@ class Engine:
         block_size: int,
         prefill_chunk: int,
         lean_decode: bool = True,
+        batch_invariant: bool = True,
     ):
         self.model = model
-        if lean_decode:  # bf16 linears on kvchat's kernel, else oneDNN's, in place
+        self.batch_invariant = batch_invariant
+        kernels.set_batch_invariant(batch_invariant)
+        if lean_decode:  # bf16 and fp32 linears on kvchat's kernels, else bf16 on oneDNN's, in place
             tile_linears_(model)
             pack_linears_(model)
         self._decode_step = make_decode_step(model) if lean_decode else None
@@ -84,6 +88,9 @@ class Engine:
         )
         kernel = native_attention.for_pool(self.dtype, self.device) if self._decode_step is not None else None
         self._kv = PagedKV(self.pool, kernel)
+        # batch invariance on, every chunk takes the lean step where its layers are one native op
+        native = self._decode_step is not None and self._decode_step.parts is not None and self._kv.in_place
+        self._every_chunk_lean = batch_invariant and native
         self._cache = ForwardCache(self._kv, self.num_layers)
         self._seq_ids = itertools.count(1)
         # kvchat's quantized kernels: a step's extra rows cost more of a token than bf16's (verify_cost)
@@ -98,6 +105,18 @@ class Engine:
         if self._kv.kernel is not None:
             return "lean step"
         return f"lean step, attention by gather ({native_attention.gather_reason(self.dtype, self.device)})"
+
+    @property
+    def batch_invariance(self) -> str | None:
+        """Why a token's logits may depend on the tokens computed with it (its prefill chunk, the drafts
+        checked with it, how much of the context was cached), in a few words; None where they cannot."""
+        if not self.batch_invariant:
+            return "off (model.batch_invariant)"
+        if self._decode_step is None:
+            return "the module forward decodes this model"
+        if not self._kv.in_place:
+            return "attention by gather"
+        return self._decode_step.batch_invariance()
 
     def verify_cost(self, num_drafts: int, context: int = 0) -> float:
         """What a forward over the last token and `num_drafts` drafts costs, in single-token steps of
@@ -115,10 +134,10 @@ class Engine:
         (the module forward, a GPU) it is taken as oneDNN's bf16 costs."""
         if self._decode_step is not None and self._quantized:
             costs = VERIFY_COSTS[f"lean-{self._quantized}"]
-        elif self._decode_step is not None and self._tiled:
-            costs = VERIFY_COSTS["lean-tiled"]
         elif self._decode_step is not None and self.dtype == torch.float32 and self.device.type == "cpu":
             costs = VERIFY_COSTS["lean-fp32"]
+        elif self._decode_step is not None and self._tiled:
+            costs = VERIFY_COSTS["lean-tiled"]
         else:
             costs = VERIFY_COSTS["lean"]
         fixed, fixed_per_1k, per_draft, per_draft_per_1k = costs
@@ -235,7 +254,7 @@ class Engine:
     def _forward(self, seq: Sequence, start: int, end: int, all_logits: bool, record: bool) -> torch.Tensor:
         input_ids = torch.tensor([seq.token_ids[start:end]], device=self.device)  # (1, q)
         position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, q)
-        if self._decode_step is not None and end - start <= MAX_LEAN_TOKENS:
+        if self._decode_step is not None and (end - start <= MAX_LEAN_TOKENS or self._every_chunk_lean):
             self._kv.bind(self._slots(seq, start, end), seq.block_table, end)
             logits = self._decode_step(input_ids, position_ids, self._kv, end - start if all_logits else 1)
         else:
