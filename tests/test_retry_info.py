@@ -70,6 +70,8 @@ def test_model_info_reads_the_model_and_the_pool():
     assert info.dtype == "fp32" and info.context_length == 8192 and info.device == "cpu"
     assert info.kv_tokens == cm.engine.blocks.num_blocks * 4 and info.kv_bytes <= 1 << 20
     tiled = kernels.fp32_linear() is not None
+    assert info.batch_variance == cm.engine.batch_invariance
+    assert info.batch_variance is None or not kernels.built()
     assert info.chat_template.startswith("ChatML")
     assert info.quantization == ("none (fp32 on kvchat's kernel)" if tiled else "none")
     assert info.threads == torch.get_num_threads()

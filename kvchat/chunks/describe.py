@@ -76,7 +76,7 @@ def model_summary(engine: Engine, tokenizer: Any, chat_format: ChatFormat, model
         block_size=engine.block_size,
         bytes_per_block=engine.bytes_per_block,
     )
-    return replace(info, decode=engine.decode_path)
+    return replace(info, decode=engine.decode_path, batch_variance=engine.batch_invariance)
 
 
 def deletable_outputs(registry: ChunkRegistry) -> str:

@@ -37,6 +37,8 @@ class ModelInfo:
     source: str = ""  # where the weights came from: "packaged GGUF at ...", "local folder ...", ...
     quantization: str = "none"
     decode: str = "module forward"  # how single tokens decode: lean step, module forward
+    # why a token's logits may depend on what is computed with it; None: batch-invariant
+    batch_variance: str | None = "not known"
 
 
 def model_info(
