@@ -37,6 +37,7 @@ VERIFY_COSTS = {
     "lean": (1.0, 0.0, 0.03, 0.025),
     "lean-tiled": (1.0, 0.0, 0.2, 0.04),
     "lean-fp32": (1.7, 0.0, 0.04, 0.015),
+    "lean-fp32-tiled": (1.0, 0.0, 0.13, 0.015),
     "lean-int4": (1.0, 0.0, 0.265, 0.04),
     "lean-int8": (1.0, 0.0, 0.2, 0.05),
 }
@@ -124,18 +125,18 @@ class Engine:
         against.
 
         Measured on SmolLM2-135M, one CPU thread (scripts/README.md, "Speculative decoding"), after ~50
-        tokens: ~1 + 0.2k in bf16 on kvchat's kernel (~1 + 0.03k on oneDNN's), ~1.7 + 0.04k in fp32
-        (MKL's fp32 product over a few rows reads the weights at about half its one-row rate), ~1 +
-        0.265k in int4 and ~1 + 0.2k in int8. kvchat's kernels stream one row's weights at the
-        machine's bandwidth, but further rows cost them products (bf16 ones every four rows, integer
-        ones each row in int4 and int8), and once every decoder layer is one native op little else is
-        left of a token to share. Each draft costs more as the context
-        grows (its attention over every position: +0.015-0.05 a draft per 1,000 tokens). Elsewhere
-        (the module forward, a GPU) it is taken as oneDNN's bf16 costs."""
+        tokens: ~1 + 0.2k in bf16 on kvchat's kernel (~1 + 0.03k on oneDNN's), ~1 + 0.13k in fp32 on
+        kvchat's kernel (~1.7 + 0.04k on MKL's, whose product over a few rows reads the weights at about
+        half its one-row rate), ~1 + 0.265k in int4 and ~1 + 0.2k in int8. kvchat's kernels stream one row's
+        weights at the machine's bandwidth, but further rows cost them products (bf16 ones every eight rows,
+        fp32 ones every four, integer ones each row in int4 and int8), and once every decoder layer is one
+        native op little else is left of a token to share. Each draft costs more as the context grows (its
+        attention over every position: +0.015-0.05 a draft per 1,000 tokens). Elsewhere (the module forward,
+        a GPU) it is taken as oneDNN's bf16 costs."""
         if self._decode_step is not None and self._quantized:
             costs = VERIFY_COSTS[f"lean-{self._quantized}"]
         elif self._decode_step is not None and self.dtype == torch.float32 and self.device.type == "cpu":
-            costs = VERIFY_COSTS["lean-fp32"]
+            costs = VERIFY_COSTS["lean-fp32-tiled" if self._tiled else "lean-fp32"]
         elif self._decode_step is not None and self._tiled:
             costs = VERIFY_COSTS["lean-tiled"]
         else:
