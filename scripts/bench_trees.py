@@ -26,8 +26,8 @@ HERE = Path(__file__).resolve().parent.parent
 MEASURES = ("decode@50", "decode@2000", "prefill@50", "prefill@2000")
 
 
-def worker(kind: str, tokens: int, repeats: int) -> dict[str, float]:
-    """One process's figures for one kind, with whichever kvchat is on the path."""
+def worker(kind: str, measures: list[str], tokens: int, repeats: int) -> dict[str, float]:
+    """One process's `measures` for one kind, with whichever kvchat is on the path."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -46,13 +46,15 @@ def worker(kind: str, tokens: int, repeats: int) -> dict[str, float]:
         quantize_model(model, mode)
     engine = Engine(model, kv_memory_bytes=768 << 20, block_size=16, prefill_chunk=512)
     figures: dict[str, float] = {}
-    for context in (50, 2000):
-        prompt = [(i * 7919) % 40000 + 100 for i in range(context)]
-        figures[f"decode@{context}"] = statistics.median(
-            decode_rate(engine, prompt, tokens, SamplingParams(max_tokens=tokens)) for _ in range(repeats)
-        )
-        prefills = [cold_prefill(engine, prompt) for _ in range(repeats)]
-        figures[f"prefill@{context}"] = statistics.median(prefills)
+    for name in measures:
+        what, _, context = name.partition("@")
+        prompt = [(i * 7919) % 40000 + 100 for i in range(int(context))]
+        if what == "decode":
+            params = SamplingParams(max_tokens=tokens)
+            rates = [decode_rate(engine, prompt, tokens, params) for _ in range(repeats)]
+            figures[name] = statistics.median(rates)
+        else:
+            figures[name] = statistics.median(cold_prefill(engine, prompt) for _ in range(repeats))
     return figures
 
 
@@ -87,6 +89,7 @@ def cold_prefill(engine, prompt: list[int]) -> float:
 def measure(tree: Path, kind: str, args) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command = [sys.executable, __file__, "--worker", kind, "--tokens", str(args.tokens), "--repeats", "3"]
+    command += ["--measures", *args.measures]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -98,12 +101,13 @@ def main() -> None:
     parser.add_argument("--other", type=Path, help="the other checkout (its root folder)")
     parser.add_argument("--kinds", nargs="+", default=["bf16", "fp32", "bf16-int8", "bf16-int4"])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--measures", nargs="+", choices=MEASURES, default=list(MEASURES))
     parser.add_argument("--tokens", type=int, default=48, help="decoded tokens a timed run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.tokens, args.repeats)))
+        print(json.dumps(worker(args.worker, args.measures, args.tokens, args.repeats)))
         return
     if args.other is None:
         parser.error("--other is required")
@@ -117,7 +121,7 @@ def main() -> None:
     print(f"| kind | measure | this | other | this vs other (median of {args.rounds} paired ratios) |")
     print("|---|---|---:|---:|---:|")
     for kind in args.kinds:
-        for name in MEASURES:
+        for name in args.measures:
             mine = [r[name] for r in runs[kind, "this"]]
             theirs = [r[name] for r in runs[kind, "other"]]
             # a rate's ratio is this / other; a time's, other / this: above 1, this checkout is faster

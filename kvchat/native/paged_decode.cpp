@@ -6,6 +6,11 @@
 // fp32 arithmetic throughout: scores of the grouped query heads against the keys, a softmax, and the
 // values mixed by it. Gathering a layer's K/V first (1.5 MB each for SmolLM2 at 4,096 positions) and
 // multiplying the copy read everything twice; here each row is read once, where it lies in the pool.
+//
+// A query row's result is the same bits whatever rows come with it (one decoded token, speculation's
+// drafts, a prefill chunk whose own K/V are written to the pool first): each score is one dot product
+// in a fixed order, the softmax runs over exactly the positions the row sees, with kvchat's own e^x, and
+// the values are mixed in position order.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
