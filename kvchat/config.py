@@ -19,6 +19,7 @@ from typing import Any
 from kvchat.errors import ConfigError, PathError
 from kvchat.paths import user_path
 from kvchat.settings_schema import (
+    REMOVED,
     TABLES,
     CacheSettings,
     DecodeSettings,
@@ -107,6 +108,9 @@ def replace_setting(settings: Settings, key: str, text: str) -> Settings:
 def resolve_key(key: str) -> tuple[str, str]:
     """Split `table.key` or find the table of a bare key; ConfigError when unknown or ambiguous."""
     known = all_settings()
+    removed = next((name for name in REMOVED if key in (name, name.partition(".")[2])), None)
+    if removed is not None:
+        raise ConfigError(removed_message(removed))
     if "." in key:
         if key not in known:
             raise ConfigError(f"unknown setting {key!r}; known: {', '.join(known)}")
@@ -117,6 +121,11 @@ def resolve_key(key: str) -> tuple[str, str]:
     if len(matches) > 1:
         raise ConfigError(f"setting {key!r} is ambiguous: {', '.join(m.key for m in matches)}")
     return matches[0].table, matches[0].name
+
+
+def removed_message(key: str) -> str:
+    """One line saying that a setting (`table.key`) was removed, and why."""
+    return f"{key} was removed: {REMOVED[key]}"
 
 
 def all_keys() -> list[str]:
@@ -155,6 +164,8 @@ def _merge(values: dict[str, dict[str, object]], layer: Layer, where: str) -> No
             raise ConfigError(f"{where}[{table}] must be a table")
         for name, raw in entries.items():
             info = all_settings().get(f"{table}.{name}")
+            if f"{table}.{name}" in REMOVED:
+                raise ConfigError(f"{where}{removed_message(f'{table}.{name}')}")
             if info is None:
                 known = ", ".join(i.name for i in all_settings().values() if i.table == table)
                 raise ConfigError(f"{where}unknown key {name!r} in [{table}]; known: {known}")

@@ -18,7 +18,7 @@ from kvchat.engine.speculate import Speculation
 from kvchat.errors import ConfigError, DraftModelError
 from kvchat.models.device import available_memory_bytes
 from kvchat.models.loader import LoadedModel, PreparedModel, load_model, no_template_note, prepare_model
-from kvchat.models.progress import ProgressCallback, report, tell
+from kvchat.models.progress import ProgressCallback, tell
 
 
 def open_session(settings: Settings, progress: ProgressCallback | None = None) -> ContextManager:
@@ -27,13 +27,13 @@ def open_session(settings: Settings, progress: ProgressCallback | None = None) -
     prepared = prepare_model(settings.model, progress)
     chat_format = make_chat_format(prepared, settings.model.chat_template, progress)
     loaded = load_model(settings.model, progress, prepared)
-    engine = make_engine(loaded, settings, progress)
+    engine = make_engine(loaded, settings)
     draft_engine = None
     if settings.model.draft_model:
         draft_settings = dataclasses.replace(settings.model, model=settings.model.draft_model)
         draft = load_model(draft_settings, progress)
         check_draft_vocabulary(loaded, draft)
-        draft_engine = make_engine(draft, settings, progress)
+        draft_engine = make_engine(draft, settings)
     ctx = ContextManager(
         engine,
         chat_format,
@@ -81,26 +81,20 @@ def apply_live_settings(ctx: LiveSettable, settings: Settings) -> None:
     ctx.speculation = make_speculation(settings.decode, ctx.speculation.draft_engine)
 
 
-def make_engine(loaded: LoadedModel, settings: Settings, progress: ProgressCallback | None = None) -> Engine:
+def make_engine(loaded: LoadedModel, settings: Settings) -> Engine:
     cache = settings.cache
     budget = kv_memory_bytes(loaded, cache)
     asked = (
         f"--kv-memory {cache.kv_memory_mb} MiB" if cache.ctx_size is None else f"--ctx-size {cache.ctx_size}"
     )
     check_kv_memory(budget, asked, next(loaded.model.parameters()).device)
-    compiling = "Compiling the decode step (torch.compile, a minute or two)"
-    if settings.model.compile:
-        report(progress, compiling, 0, 1)
-    engine = Engine(
+    return Engine(
         loaded.model,
         kv_memory_bytes=budget,
         block_size=settings.cache.block_size,
         prefill_chunk=settings.cache.prefill_chunk,
-        compile_decode=settings.model.compile,
+        batch_invariant=settings.model.batch_invariant,
     )
-    if settings.model.compile:
-        report(progress, compiling, 1, 1)
-    return engine
 
 
 def kv_memory_bytes(loaded: LoadedModel, cache: CacheSettings) -> int:

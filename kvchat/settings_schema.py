@@ -71,14 +71,16 @@ class ModelSettings:
         detail="In quantized/ of the cache folder (~/.cache/kvchat or $KVCHAT_CACHE_DIR), one file per "
         "model and mode (1.9 GB for a 3B model in int4); deleting it is safe.",
     )
-    compile: bool = setting(
-        False,
-        "Compile the decode step of Llama, Qwen2 and Qwen3 models on CPU with torch.compile. Where "
-        "kvchat's kernels are built it is no faster than the default step (every layer one native "
-        "op), after a compile of a minute or two at load; bf16/fp32 linear weights get a second, "
-        "packed copy (int8/int4 ones on kvchat's kernels do not).",
-        flag="--compile",
-        detail="Needs a C++ compiler. Other families and CUDA decode as without it.",
+    batch_invariant: bool = setting(
+        True,
+        "Compute each token's logits to the same bits however it is batched: alone, in a prefill chunk, "
+        "among speculation's drafts or after a cached prefix, so that exact reuse, /retry, /load and "
+        "speculation give a fresh run's answer. Off: a prompt's chunks of more than 16 tokens take the "
+        "module forward, and several rows may take AMX's tiles where the CPU has them: faster there, "
+        "rounded per batch.",
+        flag="--invariant",
+        detail="Holds for Llama, Qwen2 and Qwen3 on CPU with kvchat's kernels (bf16, fp32, int8, int4); "
+        "/info says whether it holds for the model in use, and if not, why.",
     )
     chat_template: str | None = setting(
         None,
@@ -246,9 +248,8 @@ class DecodeSettings:
         detail="prompt-lookup drafts by copying what followed the last few tokens elsewhere in the context "
         "(quotes, rewrites, code edits); draft drafts with model.draft_model. Drafts are checked in one "
         "forward; sampled output has the same distribution, and drafting pauses while it does not pay "
-        "(free writing ran 0.98-1.01x with it, copying 1.5-3x; README). In fp32 a greedy answer is the "
-        "one without drafts; in bf16 a forward over several tokens rounds differently from one over a "
-        "single token, so it can change at a near tie: off gives one-token decoding's answer.",
+        "(free writing ran 0.98-1.01x with it, copying 1.5-3x; README). A greedy answer is the one "
+        "without drafts, to the bit where the engine is batch-invariant (/info).",
         choices=("off", "prompt-lookup", "draft"),
     )
     draft_max: int = setting(
@@ -290,6 +291,10 @@ class Settings:
 
 
 TABLES: dict[str, type] = typing.get_type_hints(Settings)
+# Settings that existed once, by `table.key`, with why they went: a config that still sets one is told so.
+REMOVED: dict[str, str] = {
+    "model.compile": "the compiled decode step was no faster than the default one; delete the line",
+}
 EXTERNAL_SPECS: dict[type, dict[str, Spec]] = {SamplingParams: SAMPLING_SPECS}  # tables declared elsewhere
 
 

@@ -7,19 +7,19 @@ side in one run, one thread, greedy, the variants taking turns:
 `--json FILE` also writes every measurement (each repeat's rate) to FILE, which
 scripts/make_docs.py turns into docs/benchmarks.md's results and the README's table.
 
-Variants: kvchat-<bf16|fp32>[-int8|-int4|-int4-g128][-compiled][-spec] (a quantized kind needs
-kvchat.models.quantize; -compiled decodes through the compiled graph, --compile; -spec drafts by prompt
-lookup; for big, kvchat-bf16-int4-head-int8 too: the output layer int8, not rescored) and
-llama-<BF16|Q8_0|Q4_1> (GGUF files of the packaged weights, scripts/peer_gguf.py; for big, llama-Q4_K
-too). Parts: decode (tok/s and weight GB/s after ~50 and ~4,000 tokens of context, a
-free-writing and a copying prompt), ttft (cold, ~2,000 tokens; turn 2 reusing the first turn), bandwidth
-(one-thread read of 256 MB), big (a random-weight model shaped as Qwen2.5-3B: kvchat's bf16 and the
-quantized kinds asked for, and llama.cpp's types asked for, on GGUF files of the same weights, written
-once: ~2 minutes and 11 GB of disk for BF16, Q8_0 and Q4_1; Q4_K is made from BF16 by llama.cpp, 1.9 GB
-more), big-turns (kvchat's kinds alone on that model, held in memory together, decoding a token each
-in turn, `--repeats` windows of `--big-tokens` tokens: the median of each kind's ratios to bf16 window
-by window, which the machine's drift moves least; ~13 GB of memory for bf16, int8, int4 and int4-g128;
-`--big-ttft-tokens N` adds each kind's cold TTFT over N tokens, in rounds in turn).
+Variants: kvchat-<bf16|fp32>[-int8|-int4|-int4-g128][-spec] (a quantized kind needs
+kvchat.models.quantize; -spec drafts by prompt lookup; for big, kvchat-bf16-int4-head-int8 too: the
+output layer int8, not rescored) and llama-<BF16|Q8_0|Q4_1> (GGUF files of the packaged weights,
+scripts/peer_gguf.py; for big, llama-Q4_K too). Parts: decode (tok/s and weight GB/s after ~50 and
+~4,000 tokens of context, a free-writing and a copying prompt), ttft (cold, ~2,000 tokens; turn 2
+reusing the first turn), bandwidth (one-thread read of 256 MB), big (a random-weight model shaped as
+Qwen2.5-3B: kvchat's bf16 and the quantized kinds asked for, and llama.cpp's types asked for, on GGUF
+files of the same weights, written once: ~2 minutes and 11 GB of disk for BF16, Q8_0 and Q4_1; Q4_K is
+made from BF16 by llama.cpp, 1.9 GB more), big-turns (kvchat's kinds alone on that model, held in memory
+together, decoding a token each in turn, `--repeats` windows of `--big-tokens` tokens: the median of
+each kind's ratios to bf16 window by window, which the machine's drift moves least; ~13 GB of memory for
+bf16, int8, int4 and int4-g128; `--big-ttft-tokens N` adds each kind's cold TTFT over N tokens, in
+rounds in turn).
 """
 
 from __future__ import annotations
@@ -94,8 +94,7 @@ def make_runners(names: list[str], tokenizer) -> dict[str, Runner]:
             runners[name] = LlamaRunner(packaged_as(name.removeprefix("llama-")))
         else:
             key = name.removesuffix("-spec")
-            compiled = key.endswith("-compiled")
-            runners[name] = KvchatRunner(models[key], tokenizer, name.endswith("-spec"), compiled)
+            runners[name] = KvchatRunner(models[key], tokenizer, name.endswith("-spec"))
     return runners
 
 
@@ -161,8 +160,7 @@ def run_ttft(runners: dict[str, Runner], tokenizer, args) -> None:
     )
 
 
-BIG_KINDS = ("bf16", "bf16-int8", "bf16-int4", "bf16-int4-head-int8", "bf16-int4-g128", "bf16-compiled",
-             "bf16-int8-compiled", "bf16-int4-compiled")  # fmt: skip
+BIG_KINDS = ("bf16", "bf16-int8", "bf16-int4", "bf16-int4-head-int8", "bf16-int4-g128")
 # llama.cpp's type of a kind's bytes: int4 quantized anew nests its scales, 4.5 bits a weight as Q4_K
 # (Q4_1: 5, as int4 on a Q4_1 file's own values); int4's rescored output layer reads 0.14 GB a 3B token
 # less than Q4_K's Q8_0 one
@@ -193,9 +191,7 @@ def run_big(args) -> None:
         if name.startswith("llama-"):
             runner = LlamaRunner(big_path(name.removeprefix("llama-")))
         else:
-            kind = name.removeprefix("kvchat-")
-            compiled = kind.endswith("-compiled")
-            runner = KvchatRunner(make_big_model(kind), None, False, compile_decode=compiled)
+            runner = KvchatRunner(make_big_model(name.removeprefix("kvchat-")), None, False)
         runner.decode(prompt, 2)
         runs = [runner.decode(prompt, args.big_tokens) for _ in range(args.repeats)]
         RESULTS["big"].append({"context": len(prompt), "variant": name, "tok_s": runs})

@@ -12,8 +12,7 @@ tokens can go the other way).
 
 First it measures what a forward over the last token and k drafts costs in single-token steps (the median
 of 7 rounds after ~50 tokens of context), beside `Engine.verify_cost`, the figure the draft budget weighs
-a step's tokens against; with --compile, also on an engine whose single tokens take the compiled graph
-(the runs themselves stay on the lean step).
+a step's tokens against.
 """
 
 from __future__ import annotations
@@ -95,10 +94,8 @@ def runner(model, tokenizer, prompt: list[int], tokens: int, speculation: Specul
 
 
 @torch.inference_mode()
-def print_verify_costs(model, rounds: int = 7, compile_decode: bool = False) -> None:
-    engine = Engine(
-        model, kv_memory_bytes=1 << 28, block_size=16, prefill_chunk=512, compile_decode=compile_decode
-    )
+def print_verify_costs(model, rounds: int = 7) -> None:
+    engine = Engine(model, kv_memory_bytes=1 << 28, block_size=16, prefill_chunk=512)
     seq = engine.start([100 + 7 * i for i in range(52)], reuse=False)
     engine.compute(seq, until=51)
     last = seq.token_ids[-1]
@@ -139,9 +136,6 @@ def main() -> None:
     parser.add_argument("--draft-max", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--compile", action="store_true", help="also measure the verification costs on the compiled graph"
-    )
     args = parser.parse_args()
     folder, model, tokenizer = load(args)
     variants: dict[str, Speculation | None] = {
@@ -153,8 +147,6 @@ def main() -> None:
         variants["draft"] = Speculation("draft", args.draft_max, drafts)
     print(f"model={folder} dtype={args.dtype} threads={args.threads} tokens={args.tokens} x{args.repeats}")
     print_verify_costs(model)
-    if args.compile:  # on a model of its own: the lean step has packed this one's linears for oneDNN
-        print_verify_costs(load(args)[1], compile_decode=True)
     header = (
         "| set | prompt | variant | median tok/s | vs off (median of paired ratios) | accepted | same text |"
     )

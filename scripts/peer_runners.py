@@ -13,7 +13,7 @@ from bench_common import DTYPES, QWEN25_3B
 from peer_gguf import BIG_SEED, weight_bytes
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
+from kvchat.engine.bf16_linears import PackedLinear
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationStep, generate
@@ -32,9 +32,9 @@ class Runner(Protocol):
 
 
 def apply_kind(model, kind: str):
-    """`kind` is <dtype>[-int8|-int4[-head-<format>]][-compiled]: quantize with kvchat.models.quantize
-    where it asks to, the output layer in <format> where named (else as --quantize does)."""
-    _, _, mode = kind.removesuffix("-compiled").partition("-")
+    """`kind` is <dtype>[-int8|-int4[-head-<format>]]: quantize with kvchat.models.quantize where it
+    asks to, the output layer in <format> where named (else as --quantize does)."""
+    _, _, mode = kind.partition("-")
     mode, _, head = mode.partition("-head-")
     if mode:
         from kvchat.models.quantize import quantize_model  # the --quantize option, where it exists
@@ -44,8 +44,7 @@ def apply_kind(model, kind: str):
 
 
 def make_kvchat_models(folder: Path, names: list[str]) -> dict[str, object]:
-    """One model per kvchat-<kind> (its -spec variant shares it; a -compiled one has its own, as the
-    others pack their linears in place)."""
+    """One model per kvchat-<kind> (its -spec variant shares it)."""
     kinds = sorted({name.removeprefix("kvchat-").removesuffix("-spec") for name in names})
     models = {}
     for kind in kinds:
@@ -74,19 +73,11 @@ def make_big_model(kind: str, device: str = "cpu"):
 
 def model_bytes(model) -> int:
     """Bytes a decode step reads: every weight but the input embedding (one row a token), which counts
-    only where it is the output layer too (tied); a packed linear's as the bf16 matrix it holds; a
-    tiled one's once where it keeps its weight too (for --compile's graph); of a rescored output layer,
-    its int4 weight and the rows it reads again."""
+    only where it is the output layer too (tied); a packed linear's as the bf16 matrix it holds; ; of a
+    rescored output layer, its int4 weight and the rows it reads again."""
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    twice = {
-        m.tiles.data_ptr() for m in model.modules() if isinstance(m, TiledLinear) and m.weight is not None
-    }
-    tensors = {
-        t.data_ptr(): t.nbytes
-        for t in [*model.parameters(), *model.buffers()]
-        if t is not embedding and t.data_ptr() not in twice
-    }
+    tensors = {t.data_ptr(): t.nbytes for t in [*model.parameters(), *model.buffers()] if t is not embedding}
     if isinstance(head, RescoredHead):
         tensors[embedding.data_ptr()] = head.exact_bytes
     elif getattr(head, "weight", None) is embedding:
@@ -96,10 +87,8 @@ def model_bytes(model) -> int:
 
 
 class KvchatRunner:
-    def __init__(self, model, tokenizer, speculate: bool, compile_decode: bool = False):
-        self.engine = Engine(
-            model, kv_memory_bytes=768 << 20, block_size=16, prefill_chunk=512, compile_decode=compile_decode
-        )
+    def __init__(self, model, tokenizer, speculate: bool):
+        self.engine = Engine(model, kv_memory_bytes=768 << 20, block_size=16, prefill_chunk=512)
         self.tokenizer = tokenizer
         draft_max = DecodeSettings().draft_max  # kvchat's default
         self.speculation = Speculation("prompt-lookup", draft_max) if speculate else None

@@ -257,6 +257,7 @@ class FakeContextManager(ContextManagerContract):
     def verify(self, num_tokens: int) -> FidelityReport:
         return FidelityReport(
             mode=self.mode,
+            first_difference=0,
             kl_divergence=0.001,
             top1_agree=True,
             top5_overlap=5,

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from kvchat.engine.bf16_linears import TiledLinear, can_tile, fuse_tiled, tile_linears_
-from kvchat.engine.compiled_step import has_cpp_compiler
 from kvchat.models.weight_layout import tile_bf16, untile_bf16
 from kvchat.native import kernels
+from kvchat.native.kernels import has_cpp_compiler
 
 
 def _cpu_has_bf16() -> bool:
@@ -139,13 +139,34 @@ def test_the_kernel_refuses_mismatched_shapes() -> None:
         torch.ops.kvchat.bf16_linear(torch.randn(2, 64), tiles, None)
 
 
-def test_only_cpu_bf16_linears_of_whole_tiles_are_replaced() -> None:
+def test_only_cpu_bf16_and_fp32_linears_of_whole_tiles_are_replaced() -> None:
     model = nn.Sequential(
-        nn.Linear(8, 16),  # fp32
+        nn.Linear(8, 16),  # fp32: kvchat's fp32 kernel
         nn.Linear(8, 16, dtype=torch.bfloat16),
         nn.Linear(8, 12, dtype=torch.bfloat16),  # 12 rows: no whole tile
+        nn.Linear(7, 16, dtype=torch.bfloat16),  # 7 inputs: not in pairs
+        nn.Linear(8, 16, dtype=torch.float16),
         nn.Embedding(4, 8, dtype=torch.bfloat16),
     )
-    assert [can_tile(m) for m in model] == [False, True, False, False]
-    assert tile_linears_(model) == 1
-    assert [type(m) for m in model] == [nn.Linear, TiledLinear, nn.Linear, nn.Embedding]
+    assert [can_tile(m) for m in model] == [True, True, False, False, False, False]
+    assert tile_linears_(model) == 2
+    kinds = [TiledLinear, TiledLinear, nn.Linear, nn.Linear, nn.Linear, nn.Embedding]
+    assert [type(m) for m in model] == kinds
+    assert model[0].tiles.dtype == torch.float32 and model[1].tiles.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_rows_outputs_are_the_same_bits_alone_and_among_others(bias: bool) -> None:
+    """Several rows run the one-row kernel's order of sums: a row's outputs never depend on the rows
+    computed with it (decode against a prefill chunk or speculation's drafts)."""
+    layer = TiledLinear.of(make_linear(272, 96, bias))  # 17 tiles: 8 rows by 2 tiles, then one tile
+    x = torch.randn(75, 96, dtype=torch.bfloat16)  # 64 rows a group, then 8, 2 and 1 at a time
+    residual = torch.randn(75, 272, dtype=torch.bfloat16)
+    together = torch.ops.kvchat.bf16_linear(x, layer.tiles, layer.bias, residual)
+    for i in range(75):
+        alone = torch.ops.kvchat.bf16_linear(x[i : i + 1], layer.tiles, layer.bias, residual[i : i + 1])
+        assert torch.equal(alone[0], together[i])
+    for first, count in ((3, 5), (10, 7), (0, 16)):  # speculation-sized blocks
+        rows = slice(first, first + count)
+        block = torch.ops.kvchat.bf16_linear(x[rows], layer.tiles, layer.bias, residual[rows])
+        assert torch.equal(block, together[rows])

@@ -1,6 +1,7 @@
 """Commands as transcripts: a line in, the rendered text out, over the fake context manager."""
 
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -78,6 +79,11 @@ def test_show_stats_verify_and_mode():
     h.run("/verify 8")
     out = h.take()
     assert "KL divergence" in out and "8 of 8" in out
+    assert "first differ at position 1 of 8" in out  # the fake's logits differ from the first
+    report = h.ctx.verify(8)
+    h.ctx.verify = lambda n: replace(report, first_difference=None)
+    h.run("/verify 8")
+    assert "identical at all 8 positions, to the bit" in h.take()
     h.run("/mode repair")
     assert h.ctx.mode is ReuseMode.REPAIR
     assert "reuse mode: repair" in h.take()

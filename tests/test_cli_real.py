@@ -123,15 +123,14 @@ def test_clean_script_exits_0_and_bad_model_exits_2(tiny_folder, tmp_path):
     assert b"Traceback" not in bad.stderr and len(bad.stderr.decode().strip().splitlines()) == 1
 
 
-def test_compile_flag_decodes_through_the_compiled_graph(tiny_folder, tmp_path):
-    args = ["--model", str(tiny_folder), "--json", "--compile", "--max-tokens", "8", "--dtype", "fp32"]
-    plain = records(kvchat(args[:3] + args[4:], b"/info\n/query hi\n/infer\n", tmp_path))
-    proc = kvchat(args, b"/info\n/query hi\n/infer\n", tmp_path)
-    out = records(proc)
-    assert proc.returncode == 0, proc.stderr.decode()
-    assert out[0]["info"]["decode"] == "compiled graph" and plain[0]["info"]["decode"] == "lean step"
-    assert out[2]["output"] == plain[2]["output"]
-    assert out[2]["generated_tokens"] == plain[2]["generated_tokens"] > 2
+def test_a_config_setting_a_removed_key_is_told_so_in_one_line(tiny_folder, tmp_path):
+    config = tmp_path / ".config" / "kvchat" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text("[model]\ncompile = true\n")
+    proc = kvchat(["--model", str(tiny_folder)], b"/stats\n", tmp_path)
+    assert proc.returncode == 2 and proc.stdout == b""
+    lines = proc.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "model.compile was removed" in lines[0] and str(config) in lines[0]
 
 
 def test_invalid_utf8_and_long_lines_are_errors_not_crashes(tiny_folder, tmp_path):

@@ -166,6 +166,7 @@ def test_json_stays_valid_when_a_number_is_not_finite():
     fidelity = strict_json(h.take())["fidelity"]
     assert fidelity["kl_divergence"] is None and fidelity["max_logit_diff"] is None
     assert fidelity["top5_overlap"] == 5
+    assert fidelity["identical"] is False and fidelity["first_difference"] == 0
     finish = h.ctx._finish
 
     def infinite_rates(*args):

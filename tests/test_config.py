@@ -148,6 +148,15 @@ def test_bad_file_names_file_table_and_key(tmp_path: Path, text: str, names: lis
         assert name in message
 
 
+def test_a_removed_setting_is_named_as_removed(tmp_path: Path) -> None:
+    path = write(tmp_path / "old.toml", "[model]\ncompile = true\n")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: model.compile was removed: "):
+        load_settings(path)
+    for key in ("model.compile", "compile"):
+        with pytest.raises(ConfigError, match="^model.compile was removed: "):
+            replace_setting(Settings(), key, "true")
+
+
 def test_bad_override_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="temperature"):
         load_settings(overrides={"sampling": {"temperature": -1.0}})

@@ -160,9 +160,12 @@ def test_verify_exact_is_identical_and_reposition_is_measured(model):
     cm.mode = ReuseMode.REPOSITION
     moved = cm.verify(8)
     assert moved.repositioned_tokens > 0 and moved.max_logit_diff > 0
+    assert not moved.identical and moved.first_difference == 0
     cm.mode = ReuseMode.EXACT
     exact = cm.verify(8)
     assert exact.kl_divergence < 1e-6 and exact.top1_agree and exact.top1_rate == 1.0
+    if cm.engine.batch_invariance is None:  # kvchat's kernels built: the same bits
+        assert exact.identical and exact.kl_divergence == 0 and exact.max_logit_diff == 0
     assert exact.greedy_agree == exact.greedy_tokens
     assert exact.repositioned_tokens == 0
     cm.engine.blocks.check_invariants()

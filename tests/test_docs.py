@@ -12,8 +12,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-# Pages other branches write; once one exists, take it off this list (the test says so).
-PENDING_PAGES = {"docs/exactness.md"}
 
 
 def script(name: str):
@@ -76,6 +74,4 @@ def test_links_resolve(page):
     local = [t for t in targets if "://" not in t]
     resolved = {str((path.parent / t).resolve().relative_to(ROOT)) for t in local}
     missing = {t for t in resolved if not (ROOT / t).exists()}
-    assert missing <= PENDING_PAGES, f"{page}: no such file {sorted(missing - PENDING_PAGES)}"
-    written = {t for t in PENDING_PAGES if (ROOT / t).exists()}
-    assert not written, f"{sorted(written)} exists now: take it off PENDING_PAGES"
+    assert not missing, f"{page}: no such file {sorted(missing)}"

@@ -239,7 +239,15 @@ def test_a_gguf_without_chat_template_starts_with_the_generic_one_and_says_so(tm
     for key, value in (("model.model", str(stripped)), ("model.device", "cpu"), ("model.threads", "1")):
         settings = replace_setting(settings, key, value)
     stages: list[str] = []
-    cm = open_session(settings, progress=lambda description, done, total: stages.append(description))
+
+    class Progress:
+        def __call__(self, description: str, completed: float, total: float | None) -> None:
+            stages.append(description)
+
+        def note(self, message: str) -> None:
+            stages.append(f"note: {message}")
+
+    cm = open_session(settings, progress=Progress())
     notes = [s for s in stages if s.startswith("note: ")]
     assert len(notes) == 1 and "no chat template" in notes[0] and "ChatML" in notes[0]
     assert stages.index(notes[0]) < min(i for i, s in enumerate(stages) if s.startswith("converting"))

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvchat.engine.compiled_step import has_cpp_compiler
 from kvchat.models import int4_rounding
 from kvchat.models.int4_rounding import GroupScales, NestedScales
 from kvchat.models.quantized_linears import GROUP_SIZE, Int4Linear, Int8Linear, fuse_quantized
 from kvchat.native import kernels
+from kvchat.native.kernels import has_cpp_compiler
 
 
 def _cpu_has_vnni() -> bool:

@@ -82,12 +82,15 @@ def test_kvchats_kernel_takes_nan_and_infinity_among_the_highest(dtype) -> None:
     torch.testing.assert_close(logits[1].float(), exact[1], rtol=2**-7, atol=1e-5)
 
 
-def test_many_rows_at_once_take_the_exact_layer() -> None:
-    rescored, weight = head()
-    x = torch.randn(1, 40, HIDDEN, dtype=torch.bfloat16)  # 40 x 64 rows would read more than the layer
+def test_a_rows_logits_are_the_same_alone_and_among_many() -> None:
+    if kernels.rescore_top() is None:
+        pytest.skip(f"kvchat's kernels are not built: {kernels.build_error()}")
+    rescored, _ = head()
+    x = torch.randn(1, 40, HIDDEN, dtype=torch.bfloat16)  # 40 rows gathering 64 each: more than the layer
     with torch.inference_mode():
-        assert torch.equal(rescored(x), F.linear(x, weight))
-        assert rescored(x[:, :2]).shape == (1, 2, VOCAB)
+        together = rescored(x)
+        assert together.shape == (1, 40, VOCAB)
+        assert all(torch.equal(rescored(x[:, i : i + 1])[0, 0], together[0, i]) for i in range(40))
 
 
 def test_int4_modes_rescore_a_tied_output_layer_and_keep_an_untied_one_int8() -> None:
@@ -111,7 +114,7 @@ def test_a_kept_rescored_layer_reads_back_on_the_models_own_embedding() -> None:
     quantized = make_tiny_model("llama", dtype=torch.bfloat16)
     path = quantized_cache.cache_path(quantized, "int4")
     report = quantize_model(quantized, "int4")
-    quantized.lm_head.num_exact = 16  # the tiny vocabulary would take the exact layer at 1,024
+    quantized.lm_head.num_exact = 16  # fewer than the tiny vocabulary, which 1,024 would cover whole
     quantized_cache.save(quantized, report, path)
     fresh = make_tiny_model("llama", dtype=torch.bfloat16)
     assert quantized_cache.load(fresh, path, "int4") == report

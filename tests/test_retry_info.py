@@ -11,6 +11,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import CacheFullError, ChunkError
+from kvchat.native import kernels
 from kvchat.session import kv_memory_bytes
 from tests.faults import fault_at
 from tests.test_context import drain, make_manager
@@ -129,14 +130,20 @@ def test_a_retry_may_take_the_room_of_the_answer_it_replaces(model):
     assert held_equal_to_references(cm)
 
 
-def test_model_info_reads_the_model_and_the_pool(model):
+def test_model_info_reads_the_model_and_the_pool():
+    model = make_tiny_model("llama", vocab_size=49152)  # its own: an engine tiles its linears in place
+    num_weights = sum(p.numel() for p in model.parameters())
     cm = make_manager(model, block_size=4, kv_memory=1 << 20)
     info = cm.model_info()
     assert info.family == "llama" and info.architecture == "LlamaForCausalLM"
-    assert info.num_parameters == sum(p.numel() for p in model.parameters())
+    assert info.num_parameters == num_weights
     assert info.dtype == "fp32" and info.context_length == 8192 and info.device == "cpu"
     assert info.kv_tokens == cm.engine.blocks.num_blocks * 4 and info.kv_bytes <= 1 << 20
-    assert info.chat_template.startswith("ChatML") and info.quantization == "none"
+    tiled = kernels.fp32_linear() is not None
+    assert info.batch_variance == cm.engine.batch_invariance
+    assert info.batch_variance is None or not kernels.built()
+    assert info.chat_template.startswith("ChatML")
+    assert info.quantization == ("none (fp32 on kvchat's kernel)" if tiled else "none")
     assert info.threads == torch.get_num_threads()
 
 

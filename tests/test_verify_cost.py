@@ -46,3 +46,14 @@ def test_layers_on_kvchats_quantized_kernels_make_drafts_dearer(mode, per_draft,
     engine = Engine(model, kv_memory_bytes=1 << 20, block_size=16, prefill_chunk=64)
     assert engine.verify_cost(4, 50) == pytest.approx(1 + 4 * (per_draft + 0.05 * per_1k))
     assert paying_ngram(lambda k: engine.verify_cost(k, 50)) == 3
+
+
+def test_fp32_on_kvchats_kernel_checks_drafts_for_a_share_of_a_token_each():
+    """kvchat's fp32 kernel reads a few rows' weights once, as one row's (MKL's product over a few rows
+    read them at half its one-row rate: a check cost ~1.7 tokens before any draft)."""
+    model = make_tiny_model("llama", dtype=torch.float32)
+    engine = Engine(model, kv_memory_bytes=1 << 20, block_size=16, prefill_chunk=64)
+    if not any(isinstance(m, TiledLinear) for m in model.modules()):
+        pytest.skip("kvchat's fp32 kernel is not built on this machine")
+    assert engine.verify_cost(4, 1000) == pytest.approx(1 + 4 * (0.13 + 0.015))
+    assert engine.verify_cost(0, 50) == 1.0

@@ -33,7 +33,8 @@ def compare_modes(
 ) -> Comparison:
     """Answer the current query under each mode (greedy, one token at a time, up to `params.max_tokens`),
     keeping nothing; `on_answer(mode, text)` hears of each answer as it is done. Without drafts, so that
-    in bf16 the answers differ by their KV alone, not by how a forward over drafts rounds."""
+    the answers differ by their KV alone even on an engine whose forward over drafts rounds otherwise
+    (not batch-invariant, Engine.batch_invariance)."""
     if not cm.view_state().can_answer:
         raise ChunkError("no query to answer: set one with /query TEXT")
     modes = runnable_modes(cm, modes)

@@ -79,7 +79,13 @@ def model_summary(
         block_size=engine.block_size,
         bytes_per_block=engine.bytes_per_block,
     )
-    return replace(info, chat_template=chat_format.describe(), decode=engine.decode_path, reuse=reuse)
+    return replace(
+        info,
+        chat_template=chat_format.describe(),
+        decode=engine.decode_path,
+        reuse=reuse,
+        batch_variance=engine.batch_invariance,
+    )
 
 
 def deletable_outputs(registry: ChunkRegistry) -> str:

@@ -14,6 +14,7 @@ class FidelityReport:
     """A chosen reuse mode compared with a full recompute of the same context."""
 
     mode: ReuseMode
+    first_difference: int | None  # the first compared position whose logits differ in a bit; None: none
     kl_divergence: float  # KL(full || mode) of the next-token distribution
     top1_agree: bool
     top5_overlap: int  # of 5
@@ -24,6 +25,11 @@ class FidelityReport:
     reused_tokens: int
     repositioned_tokens: int
     computed_tokens: int
+
+    @property
+    def identical(self) -> bool:
+        """Whether the logits were bitwise equal at every compared position."""
+        return self.first_difference is None
 
 
 @dataclass(frozen=True)

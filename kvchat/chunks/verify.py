@@ -1,5 +1,6 @@
 """`/verify`: how much a reuse mode changed the answer, the current context in the chosen mode against
-a full recompute of the same tokens. This is how a user sees whether reuse changed what the model says."""
+a full recompute of the same tokens. This is how a user sees whether reuse changed what the model says:
+on a batch-invariant engine (Engine.batch_invariance) exact reuse gives logits identical to the bit."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def measure_fidelity(
     num_tokens: int,
 ) -> FidelityReport:
     """Compare a composed context (whose sequence the caller owns) with a full recompute of the same
-    tokens, teacher-forced over up to `num_tokens` greedy tokens."""
+    tokens, teacher-forced over up to `num_tokens` greedy tokens: the first position whose logits differ
+    in any bit, and how much the first position's differ."""
     approx_seq = composed.seq
     approx = engine.compute(approx_seq)
     try:
@@ -53,8 +55,10 @@ def measure_fidelity(
         kl, top1, top5, max_diff = compare_logits(full, approx)
         # Teacher-forced: both sequences get the full recompute's greedy tokens, so every position
         # compares the two models' choices in the same context.
-        agree, matches, compared = 0, 0, 0
+        agree, matches, compared, first_difference = 0, 0, 0, None
         for step in range(num_tokens):
+            if first_difference is None and not torch.equal(full, approx):
+                first_difference = step
             token = int(full.argmax())
             same = token == int(approx.argmax())
             compared += 1
@@ -69,6 +73,7 @@ def measure_fidelity(
         engine.free(full_seq)
     return FidelityReport(
         mode=mode,
+        first_difference=first_difference,
         kl_divergence=kl,
         top1_agree=top1,
         top5_overlap=top5,

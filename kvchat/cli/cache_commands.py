@@ -123,6 +123,8 @@ def verify(self: Shell, arg: str) -> FidelityReport:
     """Runs the current context twice: once composed in the reuse mode, once fully recomputed, and
     compares them. N (default reuse.verify_tokens, 16) is how many answer positions are compared. It
     needs room for a second copy of the context's KV; nothing is kept.
+      logits          identical (bitwise equal at every compared position, as exact reuse gives where
+                      /info says batch-invariant), or the first position where they differ
       KL divergence   KL(full || mode) of the next-token distributions, in nats; 0 is identical
       next token      whether both pick the same most likely next token
       top-5 overlap   how many of the 5 most likely next tokens both share

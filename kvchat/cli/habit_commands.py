@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 @command("retry", "Generate the last answer again, in its place")
 def retry(self: Shell, arg: str) -> InferenceStream:
     """Answers again what the newest output answered (a chat message or /infer), from the same
-    context: with sampling a new sample, greedily (temperature 0) the same answer in fp32. In bf16 it
-    can differ at a near tie: the retry computes the last prompt token alone, where the first answer
-    had it from a batched prefill, and bf16 rounds the two differently. The answer it replaces is
+    context: with sampling a new sample, greedily (temperature 0) the same answer, to the bit where
+    /info says batch-invariant (elsewhere a near tie may go the other way: the retry computes the last
+    prompt token alone, where the first answer had it from a prefill). The answer it replaces is
     deleted when the new answer's first token comes: its output number is not used again, its text
     is gone, and its KV blocks stay cached (reusable) until evicted. Refused (say, --max-tokens too
     long for the model) or stopped with Ctrl-C before that, nothing changes. A chat answer's message
@@ -39,9 +39,12 @@ def info(self: Shell, arg: str) -> ModelInfo:
       parameters      the number of weights
       dtype           the weights dtype in use (auto resolved)
       quantization    how the weights are stored (none: plain dtype), and whose kernels run them
-      decode          how single tokens run: compiled graph (--compile), lean step or module forward;
-                      "attention by gather" where kvchat's attention kernel could not be built, and why
+      decode          how single tokens run: lean step or module forward; "attention by gather" where
+                      kvchat's attention kernel could not be built, and why
       kernels         kvchat's C++ kernels: built for this CPU, or why not, what to install, what it costs
+      batch-invariant whether a token's logits are the same bits however it is computed (alone, in a
+                      prefill chunk, among speculation's drafts, after a cached prefix), so that exact
+                      reuse, /retry, /load and speculation give a fresh run's answer; if not, why
       context length  the most positions the model was trained for
       chat template   its family (ChatML, Llama 3, ...), and the system prompt it inserts when none is set
       KV budget       tokens and bytes of the paged KV cache (--ctx-size or --kv-memory), its block size

@@ -52,9 +52,10 @@ def result_json(cmd: str, record: object, line: int | None = None) -> dict[str, 
     - stats: `stats` with `num_blocks`, `num_used`, `num_pinned`, `num_cached`, `num_free`,
       `block_size`, `bytes_total`, `bytes_per_block`, `hit_tokens`, `lookup_tokens`, `hit_rate`,
       `num_tokens` (the budget in tokens: blocks times block size) and `num_used_tokens`.
-    - verify: `fidelity` with `mode`, `kl_divergence`, `top1_agree`, `top5_overlap`,
-      `max_logit_diff`, `greedy_agree`, `greedy_tokens`, `top1_rate`, `reused_tokens`, `repositioned_tokens`,
-      `computed_tokens`.
+    - verify: `fidelity` with `mode`, `identical` (the logits bitwise equal at every compared position),
+      `first_difference` (the first compared position, from 0, whose logits differ; null when identical),
+      `kl_divergence`, `top1_agree`, `top5_overlap`, `max_logit_diff`, `greedy_agree`, `greedy_tokens`,
+      `top1_rate`, `reused_tokens`, `repositioned_tokens`, `computed_tokens`.
     - blocks: `blocks`, one object per block that is not free: `block_id`, `state` ("pinned", "used"
       or "cached": unreferenced, holding reusable KV), `ref_count`, `chunk_ids` (chunks whose KV it
       holds), `exact` (false: moved KV, or KV computed after moved KV); `chunks`, the legend: `chunk_id`,
@@ -130,7 +131,7 @@ def _fields(record: object) -> dict[str, Any]:
             tokens["num_used_tokens"] = record.num_used * record.block_size
             return {"stats": {**asdict(record), **tokens, "hit_rate": record.hit_rate}}
         case FidelityReport():
-            return {"fidelity": asdict(record)}
+            return {"fidelity": {**asdict(record), "identical": record.identical}}
         case BlockMap():
             return {
                 "blocks": [asdict(b) for b in record.blocks],

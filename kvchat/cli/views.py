@@ -164,6 +164,11 @@ def stats_table(stats: CacheStats) -> RenderableType:
 def fidelity_table(report: FidelityReport) -> RenderableType:
     table = Table.grid(padding=(0, 2))
     table.add_row("mode", f"{report.mode} vs full recompute")
+    first, compared = report.first_difference, report.greedy_tokens
+    if first is None:
+        table.add_row("logits", f"identical at all {compared} positions, to the bit")
+    else:
+        table.add_row("logits", f"first differ at position {first + 1} of {compared}")
     table.add_row("KL divergence", f"{report.kl_divergence:.3g}")
     table.add_row("next token", "same top-1" if report.top1_agree else "different top-1")
     table.add_row("top-5 overlap", f"{report.top5_overlap} of 5")
@@ -236,6 +241,7 @@ def info_table(info: ModelInfo) -> RenderableType:
     table.add_row("decode", info.decode)
     if info.kernels:
         table.add_row("kernels", info.kernels)
+    table.add_row("batch-invariant", "yes" if info.batch_variance is None else f"no: {info.batch_variance}")
     context = f"{info.context_length:,} tokens" if info.context_length else "not stated"
     table.add_row("context length", context)
     template = info.chat_template

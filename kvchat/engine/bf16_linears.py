@@ -1,16 +1,18 @@
-"""bf16 linear layers made for decoding on CPU, replacing a model's nn.Linear layers in place.
+"""bf16 and fp32 linear layers made for decoding on CPU, replacing a model's nn.Linear layers in place.
 
-The lean decode step's bf16 linear layers, and the module forward's, are replaced in place
+The lean decode step's bf16 and fp32 linear layers, and the module forward's, are replaced in place
 (`tile_linears_`, `pack_linears_`) by ones made for decoding. A decode token reads every weight once,
 so its linears' pace is the rate they read weights at. On these CPUs torch's bf16 `F.linear` of one
 row reads 5-11 GB/s; oneDNN's kernel on a weight reordered once for it (`PackedLinear`) 6-17 GB/s;
 kvchat's kernel (`TiledLinear`, native/bf16_linear.cpp) on its tiles of 16 rows streams a SmolLM2
 token's weights at 21-24 GB/s, and is as fast as oneDNN's GEMM on a 512-token prefill (on CPUs with
-AMX, where it runs several rows on the tile unit, faster), so it serves every row count. oneDNN's
-serves CPUs without AVX-512 BF16.
+AMX, where it runs several rows on the tile unit with batch invariance off, faster), so it serves every
+row count. oneDNN's serves CPUs without AVX-512 BF16. In fp32, TiledLinear runs native/fp32_linear.cpp:
+MKL's products of one row and of several sum in different orders, so a row's outputs depended on the
+rows computed with it; kvchat's sums each output in one order for any number of rows, reads one row's
+weights 1.2-3.5x faster than MKL here and many rows about as fast.
 Either keeps its weight out of the module's parameters (the packed one is an opaque tensor; the tiles
-are a buffer; under `--compile` a tiled layer keeps its weight too, for the graph): a tied output
-layer keeps the embedding's tensor and gets its own copy.
+are a buffer): a tied output layer keeps the embedding's tensor and gets its own copy.
 
 A decoder layer's projections that read the same input (query, key and value; gate and up) are also
 fused into one tiled weight (`fuse_tiled`) for the lean step's decoder_layers, one kernel call where
@@ -20,27 +22,35 @@ there were two or three; the layers keep views of its tiles, so the weights are 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvchat.models import weight_layout as layout
 from kvchat.models.weight_layout import TILE_ROWS
 from kvchat.native import kernels
 
+# kvchat's kernel for a tiled weight of each dtype, and the layout it reads (models/weight_layout.py)
+KERNELS = {torch.bfloat16: kernels.bf16_linear, torch.float32: kernels.fp32_linear}
+LAYOUTS = {torch.bfloat16: layout.tile_bf16, torch.float32: layout.tile_fp32}
+
 
 def is_cpu_bf16(module: nn.Module) -> bool:
     """An exact nn.Linear with bf16 weights on a CPU."""
+    return _cpu_weight_dtype(module) == torch.bfloat16
+
+
+def _cpu_weight_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype of an exact nn.Linear's weight on a CPU, else None."""
     weight = module.weight if type(module) is nn.Linear else None
-    return isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    return weight.dtype if isinstance(weight, torch.Tensor) and weight.device.type == "cpu" else None
 
 
 def can_tile(module: nn.Module) -> bool:
-    """A CPU bf16 linear of a shape kvchat's kernel takes (rows in tiles of 16, inputs in pairs), where
-    the kernel is built (AVX-512 BF16)."""
-    if not (is_cpu_bf16(module) and isinstance(module, nn.Linear)):
+    """A CPU bf16 or fp32 linear of a shape kvchat's kernel takes (rows in tiles of 16; bf16 inputs in
+    pairs), where the kernel is built (AVX-512 BF16 for bf16, AVX-512 for fp32)."""
+    dtype = _cpu_weight_dtype(module)
+    if dtype not in KERNELS or not isinstance(module, nn.Linear) or module.out_features % TILE_ROWS:
         return False
-    fits = module.out_features % TILE_ROWS == 0 and module.in_features % 2 == 0
-    return fits and kernels.bf16_linear() is not None
+    return (dtype != torch.bfloat16 or module.in_features % 2 == 0) and KERNELS[dtype]() is not None
 
 
 def can_pack(module: nn.Module) -> bool:
@@ -53,35 +63,37 @@ def can_pack(module: nn.Module) -> bool:
 
 
 class TiledLinear(nn.Module):
-    """The drop-in replacement of a bf16 nn.Linear that runs kvchat's kernel over its weight's tiles."""
+    """The drop-in replacement of a bf16 or fp32 nn.Linear that runs kvchat's kernel over its weight's
+    tiles."""
 
     tiles: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, tiles: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor | None = None):
+    def __init__(self, tiles: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.in_features, self.out_features = tiles.shape[1] * 2, tiles.shape[0] * TILE_ROWS
-        self.register_buffer("tiles", tiles)  # (out/16, in/2, 32)
+        per_operand = 2 if tiles.dtype == torch.bfloat16 else 1  # inputs an operand of the tiles holds
+        self.in_features, self.out_features = tiles.shape[1] * per_operand, tiles.shape[0] * TILE_ROWS
+        self.register_buffer("tiles", tiles)  # bf16 (out/16, in/2, 32), fp32 (out/16, in, 16)
         self.register_buffer("bias", bias)
-        self.weight = weight  # for a compiled graph, else None
 
     @classmethod
-    def of(cls, linear: nn.Linear, keep_weight: bool = False) -> TiledLinear:
-        """The tiled layer of `linear`, keeping its weight too if asked."""
+    def of(cls, linear: nn.Linear) -> TiledLinear:
+        """The tiled layer of `linear`."""
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(layout.tile_bf16(linear.weight.detach()), bias, linear.weight if keep_weight else None)
+        weight = linear.weight.detach()
+        return cls(LAYOUTS[weight.dtype](weight), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and self.weight is not None:
-            # In the compiled graph inductor packs the weight for its own GEMV, faster there than
-            # this kernel's calls.
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (N, in)
-        out = torch.ops.kvchat.bf16_linear(rows, self.tiles, self.bias)  # (N, out)
+        rows = x.reshape(-1, self.in_features).to(self.tiles.dtype)  # (N, in)
+        if self.tiles.dtype == torch.bfloat16:
+            out = torch.ops.kvchat.bf16_linear(rows, self.tiles, self.bias)  # (N, out)
+        else:
+            out = torch.ops.kvchat.fp32_linear(rows, self.tiles, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bf16, kvchat's kernel"
+        dtype = "bf16" if self.tiles.dtype == torch.bfloat16 else "fp32"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {dtype}, kvchat's kernel"
 
 
 class PackedLinear(nn.Module):
@@ -120,10 +132,9 @@ def fuse_tiled(linears: list[nn.Module]) -> TiledLinear | None:
     return fused
 
 
-def tile_linears_(model: nn.Module, keep_weights: bool = False) -> int:
-    """Replace every linear of `model` that `can_tile` in place; returns how many were replaced. With
-    `keep_weights` each keeps its weight too, for a compiled graph (compiled_step.py)."""
-    return _replace(model, can_tile, lambda linear: TiledLinear.of(linear, keep_weights))
+def tile_linears_(model: nn.Module) -> int:
+    """Replace every linear of `model` that `can_tile` in place; returns how many were replaced."""
+    return _replace(model, can_tile, TiledLinear.of)
 
 
 def pack_linears_(model: nn.Module) -> int:

@@ -1,15 +1,22 @@
 """Decoding on CPU through the model's own weights: the lean decode step.
 
-The lean step runs one token, or speculation's few, through a layer loop over the model's weights,
-without the module forward's cache and mask bookkeeping. A decode token reads every weight once, so
-what is not a matrix product is overhead: for SmolLM2-135M the module forward took ~60 ms a token
-where its weights take ~12 to read, and a loop over torch's small ops (~45 a layer, each paying ~2-10
-us of dispatch) still left ~7 ms. With kvchat's kernels built (native/decode_layer.cpp) every layer
-runs in one op, `kvchat::decoder_layers`: its RMSNorms, its rotation with the K/V written to the pool,
-its attention and silu(gate) * up are one C++ call each, its projections one call of their kernel
-(query, key and value fused into one, and gate and up: bf16_linears.fuse_tiled and
-quantized_linears.fuse_quantized), the residual additions inside the bf16 kernel. It takes the linear
-layers of kvchat's kernels (bf16, int4, int8) and plain ones (fp32).
+The lean step runs one token, or speculation's few, or a prefill chunk (batch invariance on), through a
+layer loop over the model's weights, without the module forward's cache and mask bookkeeping. A decode
+token reads every weight once, so what is not a matrix product is overhead: for SmolLM2-135M the module
+forward took ~60 ms a token where its weights take ~12 to read, and a loop over torch's small ops (~45 a
+layer, each paying ~2-10 us of dispatch) still left ~7 ms. With kvchat's kernels built
+(native/decode_layer.cpp) every layer runs in one op, `kvchat::decoder_layers`: its RMSNorms, its
+rotation with the K/V written to the pool, its attention and silu(gate) * up are one C++ call each, its
+projections one call of their kernel (query, key and value fused into one, and gate and up:
+bf16_linears.fuse_tiled and quantized_linears.fuse_quantized), the residual additions inside the bf16
+and fp32 kernels. It takes the linear layers of kvchat's kernels (bf16, fp32, int4, int8) and plain fp32
+ones (torch's product).
+
+There every row is computed alone, in one order of sums whatever rows come with it (kvchat's linear
+kernels, attention over the pool in position order, the RMSNorms, rotation and silu a row at a time,
+the rotation's cos and sin computed once per block of positions, `RotationTable`): a token's logits are
+the same bits decoded alone, checked among drafts, or in a prefill chunk of any length after any
+cached prefix (`batch_invariance` says where this holds).
 
 Other linear layers (oneDNN's packed bf16, torch's int4 and int8), or no kernels at all, keep the
 loop over the layers in Python, the model's modules called in turn: the same arithmetic in torch's
@@ -28,11 +35,15 @@ from torch import nn
 
 from kvchat.engine.bf16_linears import TiledLinear, fuse_tiled
 from kvchat.models.quantized_linears import Int4Linear, Int8Linear, fuse_quantized
+from kvchat.models.rescored_head import RescoredHead
 from kvchat.native import kernels
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
 RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})  # weight * normalized x
-MAX_LEAN_TOKENS = 16  # beyond speculation's drafts a forward is a prefill, where SDPA is the better kernel
+# with batch invariance off, a forward of more tokens (a prefill) takes the module forward: SDPA, and
+# AMX's tiles where the CPU has them
+MAX_LEAN_TOKENS = 16
+ROTATION_BLOCK = 64  # positions whose cos and sin RotationTable computes in one call
 NATIVE_DTYPES = frozenset({torch.float32, torch.bfloat16})  # what kvchat's decode_layer ops take
 
 
@@ -122,9 +133,51 @@ def fused_parts(linears: list[nn.Module], dtype: torch.dtype) -> Parts | None:
     return projection_parts(tiled, dtype) if tiled is not None else fuse_quantized(linears)
 
 
+class RotationTable:
+    """`rope`'s cos and signed sin by position, computed ROTATION_BLOCK positions a call and kept: a
+    position's rotation is then the same bits in every forward (torch's cos and sin compute a tensor's
+    last values with other code than the rest, so a position's values could depend on the forward's
+    length). Only for a rotary embedding whose frequencies do not change with the length."""
+
+    def __init__(self, base):
+        self.base = base
+        self.cos: torch.Tensor | None = None  # (P, D), P a whole number of blocks
+        self.sin: torch.Tensor | None = None
+
+    @staticmethod
+    def takes(base) -> bool:
+        """Whether the model's rotary embedding is fixed: not dynamic NTK or LongRoPE, whose
+        frequencies follow the length."""
+        rope_type = str(getattr(base.rotary_emb, "rope_type", "default"))
+        return "dynamic" not in rope_type and "longrope" not in rope_type
+
+    def __call__(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of positions (1, q), as `rotation` gives them: (1, 1, q, D) each."""
+        positions = position_ids[0]  # (q,)
+        self._cover(hidden, int(positions.max()) + 1)
+        assert self.cos is not None and self.sin is not None
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)  # (q, D)
+        return cos[None, None], sin[None, None]
+
+    def _cover(self, hidden: torch.Tensor, num_positions: int) -> None:
+        have = 0 if self.cos is None else self.cos.shape[0]
+        if num_positions <= have:
+            return
+        want = max(num_positions, 2 * have)  # grown by doubling, block by block
+        cos_pieces = [] if self.cos is None else [self.cos]
+        sin_pieces = [] if self.sin is None else [self.sin]
+        for start in range(have, want, ROTATION_BLOCK):
+            block = torch.arange(start, start + ROTATION_BLOCK, device=hidden.device)[None]  # (1, B)
+            cos, sin = rotation(self.base, hidden, block)  # (1, 1, B, D) each
+            cos_pieces.append(cos[0, 0])
+            sin_pieces.append(sin[0, 0])
+        self.cos, self.sin = torch.cat(cos_pieces), torch.cat(sin_pieces)
+
+
 class LeanDecodeStep:
-    """Runs `num_new` <= MAX_LEAN_TOKENS tokens of a Llama-like model over the K/V a `KVStore` holds:
-    in kvchat::decoder_layers where it takes the model (`parts`), else a layer at a time."""
+    """Runs new tokens of a Llama-like model over the K/V a `KVStore` holds: in kvchat::decoder_layers
+    where it takes the model (`parts`), any number of them, else a layer at a time (at most
+    MAX_LEAN_TOKENS)."""
 
     def __init__(self, model):
         self.base = model.model
@@ -137,13 +190,30 @@ class LeanDecodeStep:
         native = kernels.built() and param.device.type == "cpu" and param.dtype in NATIVE_DTYPES
         silu = getattr(model.config, "hidden_act", None) == "silu"
         self.parts = layer_parts(self.base.layers, silu, param.dtype) if native else None
+        self.rotations = RotationTable(self.base) if RotationTable.takes(self.base) else None
+
+    def batch_invariance(self) -> str | None:
+        """Why a token's logits may depend on the tokens computed with it, or None where they do not
+        (with attention read in place from the pool, `KVStore.in_place`)."""
+        if self.parts is None:
+            return "its decoder layers are not all on kvchat's kernels"
+        if self.rotations is None:
+            return "its rotary embedding changes with the length"
+        head = self.lm_head
+        if isinstance(head, RescoredHead):
+            head = head.coarse if kernels.rescore_top() is not None else None
+        native_head = isinstance(head, TiledLinear) or (
+            isinstance(head, Int4Linear | Int8Linear) and head.kernel == "kvchat"
+        )
+        return None if native_head else "its output layer is not on kvchat's kernels"
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVStore, num_logits: int
     ) -> torch.Tensor:
         """Logits of the last `num_logits` of the tokens (num_logits, V). input_ids, position_ids (1, q)."""
         hidden = self.base.embed_tokens(input_ids)  # (1, q, d)
-        cos, sin = rotation(self.base, hidden, position_ids)  # (1, 1, q, D) each
+        rotate = self.rotations or (lambda x, positions: rotation(self.base, x, positions))
+        cos, sin = rotate(hidden, position_ids)  # (1, 1, q, D) each
         if self.parts is not None and kv.in_place:
             parts, eps = self.parts
             rotated = cos.view(-1, self.head_dim), sin.view(-1, self.head_dim)  # (q, D) each

@@ -15,12 +15,12 @@ from torch import nn
 from kvchat.engine import native_attention
 from kvchat.engine.bf16_linears import TiledLinear, pack_linears_, tile_linears_
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, Sequence, chain_hash
-from kvchat.engine.compiled_step import MIN_PAST, CompiledDecodeStep, can_compile, quiet_compile
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.forward_cache import ForwardCache, cache_argument
-from kvchat.engine.paged_attention import KVPool, PagedKV, position_slots
+from kvchat.engine.paged_attention import KVPool, PagedKV
 from kvchat.errors import CacheFullError
 from kvchat.models.quantized_linears import Int4Linear, Int8Linear
+from kvchat.native import kernels
 
 
 def kv_shape(config) -> tuple[int, int, int]:
@@ -37,11 +37,9 @@ VERIFY_COSTS = {
     "lean": (1.0, 0.0, 0.03, 0.025),
     "lean-tiled": (1.0, 0.0, 0.2, 0.04),
     "lean-fp32": (1.7, 0.0, 0.04, 0.015),
+    "lean-fp32-tiled": (1.0, 0.0, 0.13, 0.015),
     "lean-int4": (1.0, 0.0, 0.265, 0.04),
     "lean-int8": (1.0, 0.0, 0.2, 0.05),
-    "compiled": (1.0, 0.0, 0.18, 0.043),
-    "compiled-int4": (1.0, 0.0, 0.19, 0.05),
-    "compiled-int8": (1.0, 0.0, 0.155, 0.05),
 }
 
 
@@ -64,14 +62,14 @@ class Engine:
         block_size: int,
         prefill_chunk: int,
         lean_decode: bool = True,
-        compile_decode: bool = False,
+        batch_invariant: bool = True,
     ):
         self.model = model
-        compile_decode = compile_decode and lean_decode and can_compile(model)
-        if lean_decode:  # bf16 linears on kvchat's kernel, else (not in a graph) oneDNN's, in place
-            tile_linears_(model, keep_weights=compile_decode)
-            if not compile_decode:
-                pack_linears_(model)
+        self.batch_invariant = batch_invariant
+        kernels.set_batch_invariant(batch_invariant)
+        if lean_decode:  # bf16 and fp32 linears on kvchat's kernels, else bf16 on oneDNN's, in place
+            tile_linears_(model)
+            pack_linears_(model)
         self._decode_step = make_decode_step(model) if lean_decode else None
         self.block_size, self.prefill_chunk = block_size, prefill_chunk
         param = next(model.parameters())
@@ -91,32 +89,35 @@ class Engine:
         )
         kernel = native_attention.for_pool(self.dtype, self.device) if self._decode_step is not None else None
         self._kv = PagedKV(self.pool, kernel)
+        # batch invariance on, every chunk takes the lean step where its layers are one native op
+        native = self._decode_step is not None and self._decode_step.parts is not None and self._kv.in_place
+        self._every_chunk_lean = batch_invariant and native
         self._cache = ForwardCache(self._kv, self.num_layers)
         self._seq_ids = itertools.count(1)
-        self._compiled = CompiledDecodeStep(model, self.pool) if compile_decode else None
-        if self._compiled is not None:
-            self._warm_up()
         # kvchat's quantized kernels: a step's extra rows cost more of a token than bf16's (verify_cost)
         self._quantized = quantized_kernel(model)
         self._tiled = any(isinstance(m, TiledLinear) for m in model.modules())
 
     @property
-    def compiled(self) -> bool:
-        """Whether single tokens decode through the compiled graph."""
-        return self._compiled is not None
-
-    @property
     def decode_path(self) -> str:
         """How single tokens decode, in words."""
-        if self._compiled is not None:
-            path, in_place = "compiled graph", self._compiled.native
-        elif self._decode_step is not None:
-            path, in_place = "lean step", self._kv.kernel is not None
-        else:
+        if self._decode_step is None:
             return "module forward"
-        if in_place:
-            return path
-        return f"{path}, attention by gather ({native_attention.gather_reason(self.dtype, self.device)})"
+        if self._kv.kernel is not None:
+            return "lean step"
+        return f"lean step, attention by gather ({native_attention.gather_reason(self.dtype, self.device)})"
+
+    @property
+    def batch_invariance(self) -> str | None:
+        """Why a token's logits may depend on the tokens computed with it (its prefill chunk, the drafts
+        checked with it, how much of the context was cached), in a few words; None where they cannot."""
+        if not self.batch_invariant:
+            return "off (model.batch_invariant)"
+        if self._decode_step is None:
+            return "the module forward decodes this model"
+        if not self._kv.in_place:
+            return "attention by gather"
+        return self._decode_step.batch_invariance()
 
     def verify_cost(self, num_drafts: int, context: int = 0) -> float:
         """What a forward over the last token and `num_drafts` drafts costs, in single-token steps of
@@ -124,39 +125,26 @@ class Engine:
         against.
 
         Measured on SmolLM2-135M, one CPU thread (scripts/README.md, "Speculative decoding"), after ~50
-        tokens: ~1 + 0.2k in bf16 on kvchat's kernel (~1 + 0.03k on oneDNN's), ~1.7 + 0.04k in fp32
-        (MKL's fp32 product over a few rows reads the weights at about half its one-row rate), ~1 +
-        0.265k in int4 and ~1 + 0.2k in int8; under `--compile`, whose graph decodes single tokens at
-        the eager step's pace and whose drafts take the eager step, ~1 + 0.15-0.19k. kvchat's kernels
-        stream one row's weights at the machine's bandwidth, but further rows cost them products (bf16
-        ones every four rows, integer ones each row in int4 and int8), and once every decoder layer is
-        one native op little else is left of a token to share. Each draft costs more as the context
-        grows (its attention over every position: +0.015-0.05 a draft per 1,000 tokens). Elsewhere
-        (the module forward, a GPU) it is taken as oneDNN's bf16 costs."""
-        if self._compiled is not None:
-            costs = VERIFY_COSTS["compiled" + (f"-{self._quantized}" if self._quantized else "")]
-        elif self._decode_step is not None and self._quantized:
+        tokens: ~1 + 0.2k in bf16 on kvchat's kernel (~1 + 0.03k on oneDNN's), ~1 + 0.13k in fp32 on
+        kvchat's kernel (~1.7 + 0.04k on MKL's, whose product over a few rows reads the weights at about
+        half its one-row rate), ~1 + 0.265k in int4 and ~1 + 0.2k in int8. kvchat's kernels stream one row's
+        weights at the machine's bandwidth, but further rows cost them products (bf16 ones every eight rows,
+        fp32 ones every four, integer ones each row in int4 and int8), and once every decoder layer is one
+        native op little else is left of a token to share. Each draft costs more as the context grows (its
+        attention over every position: +0.015-0.05 a draft per 1,000 tokens). Elsewhere (the module forward,
+        a GPU) it is taken as oneDNN's bf16 costs."""
+        if self._decode_step is not None and self._quantized:
             costs = VERIFY_COSTS[f"lean-{self._quantized}"]
+        elif self._decode_step is not None and self.dtype == torch.float32 and self.device.type == "cpu":
+            costs = VERIFY_COSTS["lean-fp32-tiled" if self._tiled else "lean-fp32"]
         elif self._decode_step is not None and self._tiled:
             costs = VERIFY_COSTS["lean-tiled"]
-        elif self._decode_step is not None and self.dtype == torch.float32 and self.device.type == "cpu":
-            costs = VERIFY_COSTS["lean-fp32"]
         else:
             costs = VERIFY_COSTS["lean"]
         fixed, fixed_per_1k, per_draft, per_draft_per_1k = costs
         thousands = context / 1000
         checked = max(1.0, fixed + fixed_per_1k * thousands)  # never below the token it checks with
         return checked + (per_draft + per_draft_per_1k * thousands) * num_drafts
-
-    def _warm_up(self) -> None:
-        """Compile the decode graph now, on a scratch sequence, rather than at the first token."""
-        seq = self.start([0] * (MIN_PAST + 1), reuse=False, index=False)
-        try:
-            with quiet_compile():
-                self.compute(seq, until=MIN_PAST)
-                self.compute(seq)
-        finally:
-            self.free(seq)
 
     @property
     def max_positions(self) -> int | None:
@@ -267,10 +255,7 @@ class Engine:
     def _forward(self, seq: Sequence, start: int, end: int, all_logits: bool, record: bool) -> torch.Tensor:
         input_ids = torch.tensor([seq.token_ids[start:end]], device=self.device)  # (1, q)
         position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, q)
-        if self._compiled is not None and end - start == 1 and start >= MIN_PAST:
-            past = position_slots(seq.block_table, self.block_size, start, self.device)  # (start,)
-            logits = self._compiled(input_ids, position_ids, past, self._slots(seq, start, end))
-        elif self._decode_step is not None and end - start <= MAX_LEAN_TOKENS:
+        if self._decode_step is not None and (end - start <= MAX_LEAN_TOKENS or self._every_chunk_lean):
             self._kv.bind(self._slots(seq, start, end), seq.block_table, end)
             logits = self._decode_step(input_ids, position_ids, self._kv, end - start if all_logits else 1)
         else:

@@ -1,6 +1,5 @@
-"""kvchat's attention kernels over the pool (kvchat/native/paged_decode.cpp):
-`kvchat::paged_decode_attention`, one token in the compiled graph, and `kvchat::paged_attention`, the
-lean step's few tokens.
+"""kvchat's attention kernel over the pool (kvchat/native/paged_decode.cpp), `kvchat::paged_attention`:
+the lean step's new tokens, whose K/V the pool holds.
 
 One token's attention read through a gather and two small matmuls costs, per layer of SmolLM2 in bf16,
 ~60 us at 50 positions and ~450 us at 4,096: the gather copies the layer's K/V, the matmuls read the
@@ -18,11 +17,6 @@ import torch
 from kvchat.native import kernels
 
 DTYPES = frozenset({torch.float32, torch.bfloat16})
-
-
-def paged_decode_attention() -> Callable | None:
-    """The one-token op, or None where the kernels cannot be built (see `build_error`)."""
-    return torch.ops.kvchat.paged_decode_attention if kernels.built() else None
 
 
 def paged_attention() -> Callable | None:

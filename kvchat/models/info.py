@@ -38,9 +38,11 @@ class ModelInfo:
     threads: int
     source: str = ""  # where the weights came from: "packaged GGUF at ...", "local folder ...", ...
     quantization: str = "none"
-    decode: str = "module forward"  # how single tokens decode: compiled graph, lean step, module forward
+    decode: str = "module forward"  # how single tokens decode: lean step, module forward
     reuse: str = "exact, reposition, repair"  # the reuse modes the model runs, and why not the others
     kernels: str = ""  # kvchat's C++ kernels: built, or why not and what to install
+    # why a token's logits may depend on what is computed with it; None: batch-invariant
+    batch_variance: str | None = "not known"
 
 
 def model_info(
@@ -82,9 +84,12 @@ def model_info(
 
 def describe_quantization(model: Any) -> str:
     """How the linear weights are stored and whose kernels run them: "none", "none (bf16 on kvchat's
-    kernel)", "int4 (kvchat's kernels)", "int4-g128 (kvchat's kernels)", "int8 (torch's kernels)", ...
+    kernel)", "none (fp32 on kvchat's kernel)", "int4 (kvchat's kernels)", "int4-g128 (kvchat's
+    kernels)", "int8 (torch's kernels)", ...
     (an int4 model's int8 output layer counts as int4's), and "the output layer rescored" where it is a
     RescoredHead."""
+    import torch
+
     from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
     from kvchat.models.quantized_linears import Int4Linear, Int8Linear
     from kvchat.models.rescored_head import RescoredHead
@@ -92,6 +97,9 @@ def describe_quantization(model: Any) -> str:
     layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
     if not layers:
         modules = list(model.modules())
+        tiled = [m for m in modules if isinstance(m, TiledLinear)]
+        if tiled and tiled[0].tiles.dtype != torch.bfloat16:
+            return "none (fp32 on kvchat's kernel)"
         bf16_kinds = {"kvchat": TiledLinear, "oneDNN": PackedLinear}
         found = [name for name, kind in bf16_kinds.items() if any(isinstance(m, kind) for m in modules)]
         if not found:

@@ -12,14 +12,13 @@ of it beyond the 1,024 highest, whose logits stay int4's; sampling at a temperat
 top-p draws from it): KL 0.0037 against an int8 layer's 0.0022 (docs/quantization.md), the
 top-1 that of the exact layer.
 
-Where many rows of logits are asked for at once (a prompt's every position), the exact layer is cheaper
-than gathering rows for each, and runs instead.
+Every row is rescored alike however many are asked for at once (speculation's drafts): a row's logits
+are the same bits alone or among others.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvchat.models.quantized_linears import Int4Linear
@@ -58,9 +57,6 @@ class RescoredHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = x.reshape(-1, self.in_features)  # (M, K)
-        rows = hidden.shape[0]
-        if rows * self.num_exact * 4 > self.out_features:  # rows gathered for each: over 1/4 of the layer
-            return F.linear(hidden.to(self.weight.dtype), self.weight).to(x.dtype).view(*x.shape[:-1], -1)
         logits = self.coarse(hidden)  # (M, V)
         rescore = kernels.rescore_top() if logits.device.type == "cpu" else None
         if rescore is not None and {logits.dtype, self.weight.dtype} <= NATIVE_DTYPES:

@@ -1,5 +1,6 @@
 """How the linear kernels want their weights laid out: torch's int4 pack, and kvchat's tiles of 16 rows
-(kvchat/native/quantized_linear.cpp, bf16_linear.cpp), with the inverses that read them back."""
+(kvchat/native/quantized_linear.cpp, bf16_linear.cpp, fp32_linear.cpp), with the inverses that read them
+back."""
 
 from __future__ import annotations
 
@@ -108,3 +109,17 @@ def untile_bf16(tiled: torch.Tensor) -> torch.Tensor:
     tiles, pairs, _ = tiled.shape
     operands = tiled.reshape(tiles, pairs, TILE_ROWS, 2).permute(0, 2, 1, 3)  # (tile, row, pair, 2)
     return operands.reshape(tiles * TILE_ROWS, 2 * pairs)
+
+
+def tile_fp32(weight: torch.Tensor) -> torch.Tensor:
+    """kvchat's layout (fp32_linear.cpp): (N/16, K, 16) fp32, a tile of 16 rows as K 64-byte operands;
+    operand k holds the 16 rows' weights for input k."""
+    rows, inputs = weight.shape
+    tiles = weight.to(torch.float32).reshape(rows // TILE_ROWS, TILE_ROWS, inputs)
+    return tiles.permute(0, 2, 1).contiguous()
+
+
+def untile_fp32(tiled: torch.Tensor) -> torch.Tensor:
+    """The (N, K) weight in kvchat's layout: `tile_fp32` undone."""
+    tiles, inputs, _ = tiled.shape
+    return tiled.permute(0, 2, 1).reshape(tiles * TILE_ROWS, inputs)

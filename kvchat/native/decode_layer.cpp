@@ -6,19 +6,31 @@
 //                       KV head they read, as kvchat::paged_attention takes them;
 //   kvchat::silu_mul    the MLP's silu(gate) * up of a fused gate/up projection;
 //   kvchat::decoder_layers  every decoder layer of a model whose linears kvchat's kernels (or torch's
-//                       plain one) run: the ops above and the kernels', called from here in turn.
+//                       plain one) run: the ops above and the kernels', called from here in turn;
+//   kvchat::set_batch_invariant  whether the linear kernels keep to their batch-invariant paths.
 //
 // Each is the module's arithmetic in the module's dtype, with its roundings: in bf16 every product
 // and sum the module rounds to bf16 is rounded here too. Where torch ran 4 to 25 small ops a step,
 // each paying ~2-10 us of dispatch for a few hundred values, one op now does the work.
+//
+// Each row is computed alone, the same way whatever rows come with it: with kernels that keep to the
+// same order for any number of rows (kvchat's linears, attention over the pool), every layer gives a
+// token the same bits alone (decode), among speculation's drafts or in a prefill chunk of any length.
+// So the MLP's e^x is kvchat's own (kvchat_math::exp_floats, paged_decode.cpp): torch's silu computes
+// a tensor's last values (its scalar tail) with another exp than the rest.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 // fp32 products and sums stay separate roundings, as torch's separate ops round them
 #if defined(__GNUC__) && !defined(__clang__)
@@ -155,11 +167,67 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                                       num_heads);
 }
 
-// gate_up (..., 2 I): silu(gate) * up, each rounded to the dtype as the module's two ops round them.
+}  // namespace
+
+namespace kvchat_math {
+void exp_floats(const float* x, float* out, int64_t n);  // paged_decode.cpp
+}  // namespace kvchat_math
+
+namespace kvchat_tier {
+
+// Whether the linear kernels keep to their batch-invariant paths (no AMX tiles for several rows): on
+// unless the engine was started without batch invariance (kvchat::set_batch_invariant).
+std::atomic<bool> invariant{true};
+
+bool batch_invariant() { return invariant.load(std::memory_order_relaxed); }
+
+}  // namespace kvchat_tier
+
+namespace {
+
+void set_batch_invariant(bool on) { kvchat_tier::invariant.store(on, std::memory_order_relaxed); }
+
+// silu(gate) * up of one row of n: gate / (1 + e^-gate) in fp32, rounded to T, times up, rounded to T,
+// as the module's silu and product round them.
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, int64_t n, T* out) {
+  constexpr int64_t kChunk = 256;
+  float exps[kChunk];
+  for (int64_t at = 0; at < n; at += kChunk) {
+    const int64_t count = std::min(kChunk, n - at);
+    for (int64_t i = 0; i < count; ++i) exps[i] = -value(gate, at + i);
+    kvchat_math::exp_floats(exps, exps, count);
+    for (int64_t i = 0; i < count; ++i)
+      out[at + i] = static_cast<T>(rounded<T>(value(gate, at + i) / (1.f + exps[i])) * value(up, at + i));
+  }
+}
+
+// gate, up (rows, I), each row contiguous: silu(gate) * up (rows, I).
+at::Tensor silu_times(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() &&
+                  gate.stride(1) == 1 && up.stride(1) == 1,
+              "silu_mul: gate and up (rows, I) alike, rows contiguous");
+  const int64_t rows = gate.size(0), width = gate.size(1);
+  at::Tensor out = at::empty({rows, width}, gate.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate.scalar_type(), "silu_mul", [&] {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        silu_mul_row<scalar_t>(gate.const_data_ptr<scalar_t>() + r * gate.stride(0),
+                               up.const_data_ptr<scalar_t>() + r * up.stride(0), width,
+                               out.mutable_data_ptr<scalar_t>() + r * width);
+    });
+  });
+  return out;
+}
+
+// gate_up (..., 2 I): silu(gate) * up (..., I), as silu_mul_row computes it.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t width = gate_up.size(-1) / 2;
   TORCH_CHECK(gate_up.size(-1) == 2 * width, "silu_mul: gate_up (..., 2 I)");
-  return at::silu(gate_up.narrow(-1, 0, width)).mul_(gate_up.narrow(-1, width, width));
+  const at::Tensor rows = gate_up.reshape({-1, 2 * width});
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = width;
+  return silu_times(rows.narrow(1, 0, width), rows.narrow(1, width, width)).view(shape);
 }
 
 // kvchat's ops of the other files, as the dispatcher finds them (the linear kernels are registered
@@ -172,9 +240,15 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
 
 using Optional = std::optional<at::Tensor>;
 
+using TiledSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&, const Optional&);
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, const Optional& bias, const Optional& residual) {
-  static const auto linear =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&, const Optional&)>("kvchat::bf16_linear");
+  static const auto linear = op<TiledSignature>("kvchat::bf16_linear");
+  return linear.call(x, tiles, bias, residual);
+}
+
+at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& tiles, const Optional& bias, const Optional& residual) {
+  static const auto linear = op<TiledSignature>("kvchat::fp32_linear");
   return linear.call(x, tiles, bias, residual);
 }
 
@@ -198,6 +272,7 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& keys, const
 
 // A linear layer as decoder_layers is given it, weights (a, b) and a bias, by its kind:
 //   bf16 tiles (N/16, K/2, 32), b None: kvchat::bf16_linear, the residual added inside;
+//   fp32 tiles (N/16, K, 16), b None: kvchat::fp32_linear, the residual added inside;
 //   uint8 codes with bf16 params (N/16, K/32, 2, 16) or nested ones (N/16, 64 + K):
 //   kvchat::int4_linear;
 //   uint8 codes with bf16 scales (N,): kvchat::int8_linear;
@@ -207,6 +282,7 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& keys, const
 at::Tensor project(const at::Tensor& x, const at::Tensor& a, const Optional& b, const Optional& bias,
                    const Optional& residual = std::nullopt) {
   if (a.scalar_type() == at::kBFloat16 && a.dim() == 3) return bf16_linear(x, a, bias, residual);
+  if (a.scalar_type() == at::kFloat && a.dim() == 3) return fp32_linear(x, a, bias, residual);
   at::Tensor out;
   if (a.scalar_type() == at::kByte) {
     TORCH_CHECK(b.has_value(), "decoder_layers: quantized codes without their scales");
@@ -258,8 +334,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const c10::List<Optional>& p
         rope_write(qkv, cos, signed_sin, norm(kQNorm), norm(kKNorm), eps, keys, values, layer, write_slots, num_heads);
     h = linear(attention_rows(query, keys, values, layer, read_slots, num_new, scale), kOut, h);
     x = rms_norm(h, needed(norm(kPostNorm)), eps);
-    const at::Tensor gated = weight(kUp, 0).has_value() ? at::silu(linear(x, kGate)).mul_(linear(x, kUp))
-                                                         : silu_mul(linear(x, kGate));
+    const at::Tensor gated =
+        weight(kUp, 0).has_value() ? silu_times(linear(x, kGate), linear(x, kUp)) : silu_mul(linear(x, kGate));
     h = linear(gated, kDown, h);
   }
   return h;
@@ -276,6 +352,7 @@ TORCH_LIBRARY_FRAGMENT(kvchat, m) {
   m.def(
       "decoder_layers(Tensor hidden, Tensor?[] parts, float eps, Tensor cos, Tensor signed_sin, Tensor(a!) keys, "
       "Tensor(b!) values, Tensor write_slots, Tensor read_slots, int num_heads, float scale) -> Tensor");
+  m.def("set_batch_invariant(bool on) -> ()", &set_batch_invariant);  // no tensor to dispatch on: every backend
 }
 
 TORCH_LIBRARY_IMPL(kvchat, CPU, m) {

@@ -1,20 +1,23 @@
 """Builds and registers kvchat's C++ kernels (`torch.ops.kvchat`):
 - paged_decode.cpp: attention over the paged pool that reads each past row once in place
-  (`paged_decode_attention`, `paged_attention`, `paged_attention_rows`; engine/native_attention.py
-  and the lean decode step use them);
+  (`paged_attention`, `paged_attention_rows`; engine/native_attention.py and the lean decode step
+  use them);
 - decode_layer.cpp: a decoder layer's small steps between its products, one op each (`rms_norm`,
   `rope_write`, `silu_mul`), and every decoder layer of a model in one (`decoder_layers`);
-  engine/decode_step.py uses them;
+  engine/decode_step.py uses them; and `set_batch_invariant`, whether the linear kernels keep to
+  their batch-invariant paths (`set_batch_invariant` below);
 - quantized_linear.cpp: int4 and int8 linear layers at the machine's read bandwidth, on CPUs with
   AVX-512 VNNI (`int4_linear`, `int8_linear`; models/quantized_linears.py uses them);
 - bf16_linear.cpp: the bf16 linear layer at the machine's read bandwidth, on CPUs with AVX-512 BF16,
-  several rows (prefill, speculation's drafts) on AMX's tiles where the CPU has them (`bf16_linear`;
-  engine/decode_step.py's TiledLinear uses it);
+  several rows (prefill, speculation's drafts) on AMX's tiles where the CPU has them and batch
+  invariance is off (`bf16_linear`; engine/bf16_linears.py's TiledLinear uses it);
+- fp32_linear.cpp: the fp32 linear layer, one order of sums for any number of rows, on CPUs with
+  AVX-512 (`fp32_linear`; TiledLinear over fp32 tiles uses it);
 - rescore.cpp: the highest logits of a rescored output layer computed again from the exact weight
   (`rescore_top`; models/rescored_head.py uses it).
 
 They are compiled for this CPU (`-march=native`) with the machine's C++ compiler, once, into two
-libraries: the first three sources make the one every start loads, the last two the quantized layers'
+libraries: the first four sources make the one every start loads, the last two the quantized layers'
 one, built at the first start with --quantize. A first start builds them in a process of its own while
 the model loads (kvchat/native/build.py, runner.py); later starts load the libraries they left after
 checking them whole. Where they cannot be built (no compiler, a build that failed), attention gathers
@@ -25,6 +28,8 @@ the K/V, quantized layers run torch's own kernels and bf16 ones oneDNN's; `build
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -35,8 +40,10 @@ from kvchat.native.build import BUILDING, Build, Library, Progress, plan
 
 FLAGS = ("-O3", "-march=native")
 # Every start on a CPU needs the first; only --quantize the second: a first start without it compiles
-# three files, not five.
-CORE = Library("kernels", ("paged_decode.cpp", "decode_layer.cpp", "bf16_linear.cpp"), FLAGS)
+# four files, not six.
+CORE = Library(
+    "kernels", ("paged_decode.cpp", "decode_layer.cpp", "bf16_linear.cpp", "fp32_linear.cpp"), FLAGS
+)
 QUANTIZED = Library("quantized", ("quantized_linear.cpp", "rescore.cpp"), FLAGS)
 LIBRARIES = (CORE, QUANTIZED)
 SOURCES = tuple(source for library in LIBRARIES for source in library.sources)
@@ -61,6 +68,11 @@ def start_build(progress: Progress | None = None, quantized: bool = False) -> No
         build = Build([plan(library, folder) for library in missing])
         build.start(progress)
         _builds.update((library.name, build) for library in missing)
+
+
+def has_cpp_compiler() -> bool:
+    """Whether a C++ compiler is on PATH ($CXX, g++ or clang++), which building the kernels needs."""
+    return any(shutil.which(name) for name in (os.environ.get("CXX") or "g++", "clang++"))
 
 
 def built() -> bool:
@@ -108,6 +120,19 @@ def bf16_linear() -> Callable | None:
     return getattr(torch.ops.kvchat, "bf16_linear", None) if built() else None
 
 
+def fp32_linear() -> Callable | None:
+    """`kvchat::fp32_linear`, or None where it is not built: no compiler, or no AVX-512."""
+    return getattr(torch.ops.kvchat, "fp32_linear", None) if built() else None
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Whether the linear kernels keep to their batch-invariant paths, process-wide (where the kernels
+    are built): on, a row's outputs are the same bits whatever rows come with it; off, several rows may
+    go to AMX's tiles where the CPU has them, faster, in another order of sums."""
+    if built():
+        torch.ops.kvchat.set_batch_invariant(on)
+
+
 def rescore_top() -> Callable | None:
     """`kvchat::rescore_top`, or None where the kernels are not built."""
     return _quantized_op("rescore_top")
@@ -134,38 +159,4 @@ def _load(name: str) -> tuple[bool, str | None]:
         torch.ops.load_library(str(result))
     except OSError as exc:
         return False, f"{name} did not load: {str(exc).strip().splitlines()[0]}"
-    _register_fakes(name)
     return True, None
-
-
-def _register_fakes(library: str) -> None:
-    """Output shapes for torch.compile's tracing, of the ops the compiled graph calls (the lean step's
-    decoder-layer ops are never traced)."""
-    if library == CORE.name:
-
-        @torch.library.register_fake("kvchat::paged_decode_attention")
-        def _(query, own_keys, own_values, keys, values, layer, slots, scale):
-            return query.new_empty(query.shape, dtype=torch.float32)
-
-        @torch.library.register_fake("kvchat::paged_attention")
-        def _(query, keys, values, layer, slots, num_new, scale):
-            return query.new_empty(query.shape, dtype=torch.float32)
-
-        if hasattr(torch.ops.kvchat, "bf16_linear"):
-
-            @torch.library.register_fake("kvchat::bf16_linear")
-            def _(x, tiles, bias, residual=None):
-                return x.new_empty((x.shape[0], tiles.shape[0] * 16))
-
-        return
-
-    @torch.library.register_fake("kvchat::rescore_top")
-    def _(logits, weight, hidden, num_exact):
-        return None
-
-    if hasattr(torch.ops.kvchat, "int4_linear"):
-        for name in ("kvchat::int4_linear", "kvchat::int8_linear"):
-
-            @torch.library.register_fake(name)
-            def _(x, codes, params):
-                return x.new_empty((x.shape[0], codes.shape[0] * 16), dtype=torch.float32)

@@ -1,12 +1,16 @@
 // Attention over the paged K/V pool that reads each past key and value once, in place, by slot,
 // registered for CPU (built by kvchat/native/kernels.py):
-//   kvchat::paged_decode_attention  one token whose K/V are not in the pool yet (the compiled graph);
-//   kvchat::paged_attention         a few new tokens whose K/V the pool holds (the lean step);
+//   kvchat::paged_attention         new tokens whose K/V the pool holds (the lean step);
 //   kvchat::paged_attention_rows    the same, returned in the layout the output projection takes.
 //
 // fp32 arithmetic throughout: scores of the grouped query heads against the keys, a softmax, and the
 // values mixed by it. Gathering a layer's K/V first (1.5 MB each for SmolLM2 at 4,096 positions) and
 // multiplying the copy read everything twice; here each row is read once, where it lies in the pool.
+//
+// A query row's result is the same bits whatever rows come with it (one decoded token, speculation's
+// drafts, a prefill chunk whose own K/V are written to the pool first): each score is one dot product
+// in a fixed order, the softmax runs over exactly the positions the row sees, with kvchat's own e^x, and
+// the values are mixed in position order.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,8 +20,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -217,24 +223,14 @@ void mix_any(const float* probs, int64_t stride, int64_t G, int64_t D, const T* 
       for (int64_t d = 0; d < D; ++d) out[g * D + d] += probs[g * stride + t] * to_float(rows[t][d]);
 }
 
-// One KV head's rows: positions 0..length-1 at their slots in the pool, then, where `own` is set,
-// one more position whose row is `own` (a token's K/V not yet in the pool).
+// One KV head's rows: position t at its slot in the pool.
 template <typename T>
 struct HeadRows {
   const T* head;
   int64_t row_stride;
   const int64_t* slots;
-  int64_t length;
-  const T* own;
 
-  int64_t total() const { return length + (own != nullptr ? 1 : 0); }
-
-  // the rows of positions t0.. (at most kTile); returns how many
-  int64_t tile(int64_t t0, const T** rows) const {
-    const int64_t count = std::min<int64_t>(kTile, total() - t0);
-    for (int64_t i = 0; i < count; ++i) rows[i] = t0 + i < length ? head + slots[t0 + i] * row_stride : own;
-    return count;
-  }
+  const T* row(int64_t t) const { return head + slots[t] * row_stride; }
 };
 
 // Calls f with the vectors a row of D values takes, as a std::integral_constant, or with 0 where D
@@ -251,75 +247,173 @@ void by_head_size(int64_t D, F&& f) {
   }
 }
 
-// Calls f(C, t0, rows, count) for each tile of a KV head's rows, C the head size's vectors a row
-// (by_head_size; 0: no vector path).
+// Calls f(C, t0, rows, count) for each tile of a KV head's rows of positions first..end-1, C the head
+// size's vectors a row (by_head_size; 0: no vector path).
 template <typename T, typename F>
-void each_tile(int64_t D, const HeadRows<T>& heads, F&& f) {
+void each_tile(int64_t D, const HeadRows<T>& heads, int64_t first, int64_t end, F&& f) {
   by_head_size(D, [&](auto vectors) {
-    const int64_t total = heads.total();
     const T* rows[kTile];
-    for (int64_t t0 = 0; t0 < total; t0 += kTile) f(vectors, t0, rows, heads.tile(t0, rows));
+    for (int64_t t0 = first; t0 < end; t0 += kTile) {
+      const int64_t count = std::min(kTile, end - t0);
+      for (int64_t i = 0; i < count; ++i) rows[i] = heads.row(t0 + i);
+      f(vectors, t0, rows, count);
+    }
   });
 }
 
-// One KV head: scores (R, total) of the query rows q (R, D), already scaled.
+// One KV head: scores (R, stride) of the query rows q (R, D), already scaled, against positions
+// 0..end-1.
 template <typename T>
-void head_scores(const float* q, int64_t R, int64_t D, const HeadRows<T>& heads, float* scores) {
-  const int64_t total = heads.total();
-  each_tile(D, heads, [&](auto vectors, int64_t t0, const T* const* rows, int64_t count) {
+void head_scores(const float* q, int64_t R, int64_t D, const HeadRows<T>& heads, int64_t end, float* scores,
+                 int64_t stride) {
+  each_tile(D, heads, 0, end, [&](auto vectors, int64_t t0, const T* const* rows, int64_t count) {
     constexpr int C = decltype(vectors)::value;
-    if constexpr (C > 0) scores_rows<T, C>(q, R, rows, count, scores + t0, total);
-    else scores_any<T>(q, R, D, rows, count, scores + t0, total);
+    if constexpr (C > 0) scores_rows<T, C>(q, R, rows, count, scores + t0, stride);
+    else scores_any<T>(q, R, D, rows, count, scores + t0, stride);
   });
 }
 
-// One KV head: out (R, D) = probs (R, total) times the value rows.
+// One KV head: out (R, D) plus probs (R, stride) times the value rows, over positions first..end-1,
+// position by position.
 template <typename T>
-void head_mix(const float* probs, int64_t R, int64_t D, const HeadRows<T>& heads, float* out) {
-  std::fill(out, out + R * D, 0.f);
-  const int64_t total = heads.total();
-  each_tile(D, heads, [&](auto vectors, int64_t t0, const T* const* rows, int64_t count) {
+void head_mix(const float* probs, int64_t stride, int64_t R, int64_t D, const HeadRows<T>& heads, int64_t first,
+              int64_t end, float* out) {
+  each_tile(D, heads, first, end, [&](auto vectors, int64_t t0, const T* const* rows, int64_t count) {
     constexpr int C = decltype(vectors)::value;
-    if constexpr (C > 0) mix_rows<T, C>(probs + t0, total, R, rows, count, out);
-    else mix_any<T>(probs + t0, total, R, D, rows, count, out);
+    if constexpr (C > 0) mix_rows<T, C>(probs + t0, stride, R, rows, count, out);
+    else mix_any<T>(probs + t0, stride, R, D, rows, count, out);
   });
 }
 
-// The attention of the scaled query rows q (Hk, R, D) of `num_new` new tokens (row r is token
-// r % num_new, the last num_new positions, each seeing the positions up to its own) over one layer
-// of the pool at `slots`, then the token's own K/V (Hk, D) where given (undefined tensors otherwise).
+// e^x of 16 lanes: 2^n e^r, n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e^r by Cephes'
+// polynomial for expf (within ~1 ulp); x clamped to where the result is a normal float.
+inline floatv exp_lanes(floatv x) {
+  const floatv low = floatv{} - 87.3365f, high = floatv{} + 88.3762f;
+  x = x < low ? low : x;
+  x = x > high ? high : x;
+  const floatv magic = floatv{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const floatv n = (x * 1.44269504f + magic) - magic;
+  const floatv r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  floatv y = floatv{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const maskv bits = (__builtin_convertvector(n, maskv) + 127) << 23;
+  floatv scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+}  // namespace
+
+namespace kvchat_math {
+
+// e^x of n floats, each computed alike wherever it lies (the last lanes padded): what attention's
+// softmax and the MLP's silu (decode_layer.cpp) take, so a value's result never depends on its row's
+// length or neighbours, as torch's ops' scalar tails and vector bodies may.
+void exp_floats(const float* x, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(out + i, exp_lanes(load(x + i)));
+  if (i < n) {
+    float lanes[kLanes] = {};
+    std::copy(x + i, x + n, lanes);
+    store(lanes, exp_lanes(load(lanes)));
+    std::copy(lanes, lanes + (n - i), out + i);
+  }
+}
+
+}  // namespace kvchat_math
+
+namespace {
+
+// The softmax of a row's first `seen` scores, in place: its largest subtracted, e^s lane by lane, the
+// sum 16 lanes at a time in position order (the last lanes padded with zeros), its lanes added in one
+// tree (`sum`), and each times 1/sum. The same scores give the same bits whatever the row's length
+// beyond `seen`.
+void normalize(float* s, int64_t seen) {
+  const float lowest = -std::numeric_limits<float>::infinity();
+  floatv tops = floatv{} + lowest;
+  int64_t t = 0;
+  for (; t + kLanes <= seen; t += kLanes) tops = load(s + t) > tops ? load(s + t) : tops;
+  float top = lowest;
+  for (int l = 0; l < kLanes; ++l) top = std::max(top, tops[l]);
+  for (; t < seen; ++t) top = std::max(top, s[t]);
+  floatv lanes{};
+  for (t = 0; t + kLanes <= seen; t += kLanes) {
+    const floatv e = exp_lanes(load(s + t) - top);
+    store(s + t, e);
+    lanes += e;
+  }
+  if (t < seen) {
+    float rest[kLanes];
+    std::fill(rest, rest + kLanes, top);
+    std::copy(s + t, s + seen, rest);
+    const maskv index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const floatv e = index < static_cast<int32_t>(seen - t) ? exp_lanes(load(rest) - top) : floatv{};
+    store(rest, e);
+    std::copy(rest, rest + (seen - t), s + t);
+    lanes += e;
+  }
+  const float inverse = 1.f / sum(lanes);
+  for (t = 0; t < seen; ++t) s[t] *= inverse;
+}
+
+constexpr int64_t kBlockTokens = 16;  // new tokens whose query rows attend together
+
+// The attention of new tokens first..first+count-1 of `num_new` (the last num_new of `length`
+// positions, each seeing the positions up to its own) over one KV head: q, out (G num_new, D), row
+// g num_new + i the query head g of the KV head's group for new token i. Their rows are scored
+// together over every position the last of them sees; each row's softmax runs over the positions it
+// sees, and the values are mixed in position order, the positions all of them see first, then each
+// token's own last ones. So a row's result is the same bits whatever tokens come with it.
+template <typename T>
+void attend_tokens(const float* q, int64_t num_new, int64_t G, int64_t D, int64_t first, int64_t count,
+                   const HeadRows<T>& keys, const HeadRows<T>& values, int64_t length, float* out) {
+  const int64_t R = G * count, before = length - num_new;  // block row j G + g: head g of token first + j
+  const int64_t seen_all = before + first + 1, seen_last = before + first + count;
+  std::vector<float> rows(2 * R * D, 0.f);
+  float *block_q = rows.data(), *block_out = rows.data() + R * D;
+  for (int64_t j = 0; j < count; ++j)
+    for (int64_t g = 0; g < G; ++g)
+      std::copy_n(q + (g * num_new + first + j) * D, D, block_q + (j * G + g) * D);
+  std::unique_ptr<float[]> scores(new float[R * seen_last]);
+  head_scores(block_q, R, D, keys, seen_last, scores.get(), seen_last);
+  for (int64_t j = 0; j < count; ++j)
+    for (int64_t g = 0; g < G; ++g) normalize(scores.get() + (j * G + g) * seen_last, seen_all + j);
+  head_mix(scores.get(), seen_last, R, D, values, 0, seen_all, block_out);
+  for (int64_t j = 1; j < count; ++j)
+    head_mix(scores.get() + j * G * seen_last, seen_last, G, D, values, seen_all, seen_all + j, block_out + j * G * D);
+  for (int64_t j = 0; j < count; ++j)
+    for (int64_t g = 0; g < G; ++g)
+      std::copy_n(block_out + (j * G + g) * D, D, out + (g * num_new + first + j) * D);
+}
+
+// The attention of the scaled query rows q (Hk, G num_new, D) of `num_new` new tokens over one layer
+// of the pool at `slots`: out (Hk, G num_new, D). The KV heads and blocks of kBlockTokens tokens are
+// split between threads.
 template <typename T>
 void attend(at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t layer, const at::Tensor& slots,
-            const at::Tensor& own_keys, const at::Tensor& own_values, int64_t num_new, at::Tensor& out) {
-  const int64_t Hk = q.size(0), R = q.size(1), D = q.size(2), length = slots.size(0);
+            int64_t num_new, at::Tensor& out) {
+  const int64_t Hk = q.size(0), R = q.size(1), D = q.size(2), G = R / num_new, length = slots.size(0);
   const int64_t layer_stride = keys.stride(0), head_stride = keys.stride(1), row_stride = keys.stride(2);
   const int64_t* slot = slots.const_data_ptr<int64_t>();
-  const auto rows_of = [&](const at::Tensor& pool, const at::Tensor& own, int64_t h) {
-    const T* own_row = own.defined() ? own.const_data_ptr<T>() + h * D : nullptr;
-    return HeadRows<T>{pool.const_data_ptr<T>() + layer * layer_stride + h * head_stride, row_stride, slot, length,
-                       own_row};
+  const auto rows_of = [&](const at::Tensor& pool, int64_t h) {
+    return HeadRows<T>{pool.const_data_ptr<T>() + layer * layer_stride + h * head_stride, row_stride, slot};
   };
-  const int64_t total = length + (own_keys.defined() ? 1 : 0);
   bool paired = false;  // as load_row reads the rows
   by_head_size(D, [&](auto vectors) { paired = kPaired<T, decltype(vectors)::value>; });
   if (paired) split_pairs(q.mutable_data_ptr<float>(), q.numel());
-  at::Tensor scores = at::empty({Hk, R, total}, q.options());
-  float* score = scores.mutable_data_ptr<float>();
-  at::parallel_for(0, Hk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h)
-      head_scores<T>(q.const_data_ptr<float>() + h * R * D, R, D, rows_of(keys, own_keys, h), score + h * R * total);
-  });
-  if (num_new > 1) {  // each new token sees the positions up to its own
-    for (int64_t row = 0; row < Hk * R; ++row) {
-      const int64_t seen = total - num_new + row % R % num_new + 1;
-      std::fill(score + row * total + seen, score + (row + 1) * total, -std::numeric_limits<float>::infinity());
+  const int64_t blocks = (num_new + kBlockTokens - 1) / kBlockTokens;
+  at::parallel_for(0, Hk * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / blocks, first = item % blocks * kBlockTokens;
+      attend_tokens<T>(q.const_data_ptr<float>() + h * R * D, num_new, G, D, first,
+                       std::min(kBlockTokens, num_new - first), rows_of(keys, h), rows_of(values, h), length,
+                       out.mutable_data_ptr<float>() + h * R * D);
     }
-  }
-  const at::Tensor probs = at::softmax(scores, -1);
-  at::parallel_for(0, Hk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h)
-      head_mix<T>(probs.const_data_ptr<float>() + h * R * total, R, D, rows_of(values, own_values, h),
-                  out.mutable_data_ptr<float>() + h * R * D);
   });
   if (paired) join_pairs(out.mutable_data_ptr<float>(), out.numel());
 }
@@ -360,23 +454,6 @@ void attend_as_pool(const at::Tensor& keys, Args&&... args) {
   else attend<c10::BFloat16>(std::forward<Args>(args)...);
 }
 
-// One token: query (Hk, G, D), the query heads grouped by the KV head they read; own_keys, own_values
-// (Hk, D), the token's K/V, not in the pool; keys, values (L, Hk, S, D), the pool; slots (T,), where
-// positions 0..T-1 are. Returns fp32 (Hk, G, D).
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& own_keys, const at::Tensor& own_values,
-                                  const at::Tensor& keys, const at::Tensor& values, int64_t layer,
-                                  const at::Tensor& slots, double scale) {
-  TORCH_CHECK(own_keys.dim() == 2 && own_keys.sizes() == own_values.sizes() && own_keys.size(0) == query.size(0) &&
-                  own_keys.size(1) == query.size(2),
-              "own K/V (Hk, D)");
-  auto [q, index] = prepare(query, keys, values, layer, slots, scale);
-  const at::Tensor own_k = own_keys.to(keys.scalar_type()).contiguous();
-  const at::Tensor own_v = own_values.to(values.scalar_type()).contiguous();
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  attend_as_pool(keys, q, keys, values, layer, index, own_k, own_v, int64_t{1}, out);
-  return out;
-}
-
 // num_new tokens whose K/V the pool holds, at the last num_new of `slots` (T,): query (Hk, G * num_new,
 // D), row g * num_new + i the query head g of the KV head's group for new token i, which sees positions
 // 0..T-num_new+i. Returns fp32 (Hk, G * num_new, D).
@@ -386,7 +463,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
               "num_new tokens: a multiple of query rows, at most the positions");
   auto [q, index] = prepare(query, keys, values, layer, slots, scale);
   at::Tensor out = at::empty(q.sizes(), q.options());
-  attend_as_pool(keys, q, keys, values, layer, index, at::Tensor(), at::Tensor(), num_new, out);
+  attend_as_pool(keys, q, keys, values, layer, index, num_new, out);
   return out;
 }
 
@@ -402,9 +479,6 @@ at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& keys,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvchat, m) {
-  m.def(
-      "paged_decode_attention(Tensor query, Tensor own_keys, Tensor own_values, Tensor keys, Tensor values, "
-      "int layer, Tensor slots, float scale) -> Tensor");
   m.def("paged_attention(Tensor query, Tensor keys, Tensor values, int layer, Tensor slots, int num_new, "
         "float scale) -> Tensor");
   m.def("paged_attention_rows(Tensor query, Tensor keys, Tensor values, int layer, Tensor slots, int num_new, "
@@ -412,7 +486,6 @@ TORCH_LIBRARY_FRAGMENT(kvchat, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_attention_rows", &paged_attention_rows);
 }

@@ -42,6 +42,10 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define KVCHAT_AMX 1
+namespace kvchat_tier {
+bool batch_invariant();  // decode_layer.cpp
+}  // namespace kvchat_tier
+
 // bf16_linear.cpp's AMX tile work, which this file's prefill path shares
 namespace kvchat_amx {
 bool permitted();
@@ -578,7 +582,8 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t tiles, int64_t spans, bool wi
 }
 
 bool amx_serves(const at::Tensor& x) {
-  return x.size(0) >= kAmxFrom && x.scalar_type() == at::kBFloat16 && kvchat_amx::permitted();
+  return x.size(0) >= kAmxFrom && x.scalar_type() == at::kBFloat16 && !kvchat_tier::batch_invariant() &&
+         kvchat_amx::permitted();
 }
 #endif
 
