@@ -10,6 +10,7 @@ state file and the habits, each taking the shell's state as its first argument.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Generator, Iterator
 from enum import Enum
 from pathlib import Path
@@ -38,11 +39,22 @@ class Shell:
 
     def __init__(self, ctx: ContextManager, settings: Settings, config_file: Path | None = None) -> None:
         self.ctx = ctx
-        self.settings = settings
+        self._settings = settings  # its reuse.mode is the one the session started with
         self.started_model = settings.model  # what /info describes; /set model.* waits for a restart
         self.config_file = user_config_file(config_file)  # where /set says a setting can be kept
         self.notify: Callable[[str], None] | None = None  # progress of a long command, one line each
         self.commands = CommandRegistry(self, COMMAND_MODULES)
+
+    @property
+    def settings(self) -> Settings:
+        """The session's settings. The reuse mode among them is the context manager's (`ctx.mode`),
+        its one holder, which /set and /mode change through `apply_live_settings`."""
+        reuse = dataclasses.replace(self._settings.reuse, mode=str(self.ctx.mode))
+        return dataclasses.replace(self._settings, reuse=reuse)
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        self._settings = settings
 
     def execute(self, line: str, parts: tuple[str, str] | None) -> tuple[str, Any]:
         """Run one line, split by the caller (`split_command(line)`; None: plain text, a chat turn);

@@ -51,5 +51,5 @@ def mode(shell: ShellState, arg: str) -> Notice:
     Without an argument, shows the mode in use. /verify measures what a mode costs.
     """
     if arg:
-        set_setting(shell, f"reuse.mode {arg}")  # one path keeps the setting and the context manager agreeing
+        set_setting(shell, f"reuse.mode {arg}")  # the context manager holds it; /set checks and applies it
     return Notice(f"reuse mode: {shell.ctx.mode}", {"mode": str(shell.ctx.mode)})
