@@ -77,7 +77,7 @@ class ContextManager(ContextPlacement, ContextViews):
     def register(self, role: Role, text: str, unique: bool = False) -> Chunk:
         if not text.strip():
             raise ChunkError(f"empty {role.value} text")
-        capacity = self.engine.blocks.num_blocks * self.engine.block_size
+        capacity = self.engine.capacity_tokens
         refuse_oversized(self.tokenizer, text, capacity, role.value)
         token_ids = self.format.text_ids(text)  # what identifies it; its ids in place come from the template
         if len(token_ids) >= capacity:
@@ -137,8 +137,8 @@ class ContextManager(ContextPlacement, ContextViews):
         computes whatever is not kept; returns the main cache's blocks that held some."""
         draft_engine = self.speculation.draft_engine
         if draft_engine is not None:
-            draft_engine.blocks.evict_cached()
-        return self.engine.blocks.evict_cached()
+            draft_engine.evict_cached()
+        return self.engine.evict_cached()
 
     def is_chat_answer(self, number: int) -> bool:
         """Whether output `number` is a turn of the conversation (a /chat answer)."""
