@@ -2,9 +2,10 @@
 
 The lean step runs one token, or speculation's few, or a prefill chunk (batch invariance on), through a
 layer loop over the model's weights, without the module forward's cache and mask bookkeeping. A decode
-token reads every weight once, so what is not a matrix product is overhead: for SmolLM2-135M the module
-forward took ~60 ms a token where its weights take ~12 to read, and a loop over torch's small ops (~45 a
-layer, each paying ~2-10 us of dispatch) still left ~7 ms. With kvchat's kernels built
+token reads every weight once, so what is not a matrix product is overhead: for a small model such as
+SmolLM2-135M the module forward spends most of a token outside its products, and a loop over torch's
+small ops (dozens a layer, each paying its dispatch) still spends a good share there
+(scripts/bench_decode.py compares the paths). With kvchat's kernels built
 (native/decode_layer.cpp) every layer runs in one op, `kvchat::decoder_layers`: its RMSNorms, its
 rotation with the K/V written to the pool, its attention and silu(gate) * up are one C++ call each, its
 projections one call of their kernel (query, key and value fused into one, and gate and up:
