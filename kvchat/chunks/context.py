@@ -13,10 +13,9 @@ from kvchat.chunks import describe, persist
 from kvchat.chunks.budget import refuse_oversized
 from kvchat.chunks.chunk import Chunk, ChunkRegistry
 from kvchat.chunks.compose import NO_REPAIR, ComposedSequence, RepairPolicy
-from kvchat.chunks.context_placement import ContextPlacement
 from kvchat.chunks.context_views import ContextViews
 from kvchat.chunks.inference import Inference, Setup
-from kvchat.chunks.placement import Placement
+from kvchat.chunks.placement import ContextPlacement, Placement
 from kvchat.chunks.rendering import Rendering
 from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.retry import answer_to_retry, at_first_token, pin_again, unpin_replaced

@@ -20,18 +20,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class VerifyCost:
-    """A verification's cost in single-token steps: `fixed` + `per_draft` * drafts, each term growing
-    by its `_per_1k` for every 1,000 tokens of context."""
+    """A verification's cost in single-token steps: `fixed` (never below the one token it checks with)
+    + `per_draft` * drafts, each term growing by its `_per_1k` for every 1,000 tokens of context
+    (Engine.verify_cost adds them up)."""
 
     fixed: float
     fixed_per_1k: float
     per_draft: float
     per_draft_per_1k: float
-
-    def of(self, num_drafts: int, context: int) -> float:
-        thousands = context / 1000
-        checked = max(1.0, self.fixed + self.fixed_per_1k * thousands)  # never below the token it checks
-        return checked + (self.per_draft + self.per_draft_per_1k * thousands) * num_drafts
 
 
 # Per decode path (Engine.verify_cost picks one): the lean step over oneDNN's bf16 product (also what

@@ -120,7 +120,9 @@ class Engine:
             path = "lean-tiled"
         else:
             path = "lean"
-        return VERIFY_COSTS[path].of(num_drafts, context)
+        cost, thousands = VERIFY_COSTS[path], context / 1000
+        checked = max(1.0, cost.fixed + cost.fixed_per_1k * thousands)
+        return checked + (cost.per_draft + cost.per_draft_per_1k * thousands) * num_drafts
 
     @property
     def max_positions(self) -> int | None:
