@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -245,7 +246,7 @@ def test_a_start_killed_during_the_first_build_then_a_start_that_answers(tmp_pat
     first = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert first.stderr is not None
     line = first.stderr.readline()
-    assert line.startswith("kvchat: building kvchat's kernels for this CPU (3 files, once)"), line
+    assert re.match(r"kvchat: building kvchat's kernels for this CPU \(\d+ files, once\)", line), line
     time.sleep(rng.uniform(0, 20))  # where the kill lands; nothing is timed
     first.send_signal(rng.choice([signal.SIGKILL, signal.SIGTERM]))
     first.wait()
@@ -278,7 +279,7 @@ def test_without_a_compiler_a_start_shows_no_warning(tmp_path: Path) -> None:
     done = subprocess.run(args, input="/info\nhi\n", env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == []  # no torch warning, no build line
-    assert "kernels         not built: no C++ compiler found (no-such-c++); install" in done.stdout
+    assert re.search(r"kernels +not built: no C\+\+ compiler found \(no-such-c\+\+\); install", done.stdout)
     assert not (tmp_path / "ext").exists()
 
 
