@@ -139,8 +139,9 @@ class Inference:
 
     @property
     def generated_ids(self) -> list[int]:
-        seq = self.seq
-        return [] if seq is None else seq.token_ids[self.prompt_len : self.prompt_len + self._num_generated]
+        if self.seq is None:
+            return []
+        return self.seq.token_ids[self.prompt_len : self.prompt_len + self._num_generated]
 
     def close_turn(self) -> Answer | None:
         """End the answer with the end-of-turn tokens and compute the KV still missing, so the whole
@@ -215,7 +216,7 @@ class Inference:
             had_think=output.had_think if output else False,
             drafted_tokens=stats.drafted_tokens if stats else 0,
             accepted_tokens=stats.accepted_tokens if stats else 0,
-            prompt_ids=self.seq.token_ids[: self.prompt_len] if composed and self.seq else [],
+            prompt_ids=self.seq.token_ids[: self.prompt_len] if self.seq else [],  # none before the prefill
         )
 
     @property
