@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from kvchat.models import int4_rounding
-from kvchat.models.quantize import quantize_model
+from kvchat.models.quantize import QUANTIZE_MODES, quantize_model
 from kvchat.models.quantized_linears import GROUP_SIZE, Int4Linear, Int8Linear
+from kvchat.settings_schema import all_settings
 from tests.tiny_models import make_tiny_model
 
 LAYER_KINDS = (Int8Linear, Int4Linear)
@@ -129,6 +130,10 @@ def test_shapes_the_kernels_cannot_take_are_refused() -> None:
         Int4Linear.from_linear(nn.Linear(48, 16))
     with pytest.raises(ValueError, match="out_features by 16"):
         Int4Linear.from_linear(nn.Linear(64, 24))
+
+
+def test_the_setting_offers_the_modes_quantize_model_runs() -> None:
+    assert all_settings()["model.quantize"].spec.choices == QUANTIZE_MODES
 
 
 def test_quantize_model_leaves_odd_layers_and_the_embedding_alone() -> None:

@@ -33,7 +33,7 @@ class KVSpan:
         block_ids = tuple(seq.blocks_covering(start, end))
         span = cls(
             block_ids,
-            tuple(blocks.blocks[b].generation for b in block_ids),
+            tuple(blocks.generation(b) for b in block_ids),
             start % seq.block_size,
             end - start,
             start,
@@ -45,9 +45,7 @@ class KVSpan:
         return span
 
     def is_valid(self, blocks: BlockManager) -> bool:
-        return all(
-            blocks.blocks[b].generation == g for b, g in zip(self.block_ids, self.generations, strict=True)
-        )
+        return all(blocks.generation(b) == g for b, g in zip(self.block_ids, self.generations, strict=True))
 
     def slots(self, block_size: int) -> list[int]:
         return [

@@ -13,11 +13,9 @@ from kvchat.chunks import describe, persist
 from kvchat.chunks.budget import refuse_oversized
 from kvchat.chunks.chunk import Chunk, ChunkRegistry
 from kvchat.chunks.compose import NO_REPAIR, ComposedSequence, RepairPolicy
-from kvchat.chunks.context_file import save_session, stage_session
-from kvchat.chunks.context_placement import ContextPlacement
 from kvchat.chunks.context_views import ContextViews
 from kvchat.chunks.inference import Inference, Setup
-from kvchat.chunks.placement import Placement
+from kvchat.chunks.placement import ContextPlacement, Placement
 from kvchat.chunks.rendering import Rendering
 from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.retry import answer_to_retry, at_first_token, pin_again, unpin_replaced
@@ -78,7 +76,7 @@ class ContextManager(ContextPlacement, ContextViews):
     def register(self, role: Role, text: str, unique: bool = False) -> Chunk:
         if not text.strip():
             raise ChunkError(f"empty {role.value} text")
-        capacity = self.engine.blocks.num_blocks * self.engine.block_size
+        capacity = self.engine.capacity_tokens
         refuse_oversized(self.tokenizer, text, capacity, role.value)
         token_ids = self.format.text_ids(text)  # what identifies it; its ids in place come from the template
         if len(token_ids) >= capacity:
@@ -138,8 +136,8 @@ class ContextManager(ContextPlacement, ContextViews):
         computes whatever is not kept; returns the main cache's blocks that held some."""
         draft_engine = self.speculation.draft_engine
         if draft_engine is not None:
-            draft_engine.blocks.evict_cached()
-        return self.engine.blocks.evict_cached()
+            draft_engine.evict_cached()
+        return self.engine.evict_cached()
 
     def is_chat_answer(self, number: int) -> bool:
         """Whether output `number` is a turn of the conversation (a /chat answer)."""
@@ -303,13 +301,16 @@ class ContextManager(ContextPlacement, ContextViews):
 
     def save(self, path: Path) -> int:
         """Write the chunks, the context and their KV to `path`; returns the number of chunks saved."""
-        return save_session(self, path)
+        context = persist.Context(self.system, self.middle, self.turns, self.query)
+        chunks = list(self.registry.chunks.values())
+        return persist.save(self.engine, self._layout(), chunks, context, self.live, Path(path))
 
     def load(self, path: Path) -> int:
         """Replace the session with the one saved in `path` in one swap; returns the number of chunks.
         The whole file is checked and its KV staged beside the session first: a file refused, too big
         or interrupted changes nothing."""
-        saved, live, chunks = stage_session(self, path)
+        saved = persist.read(self.engine, self._layout(), Path(path))
+        live, chunks = persist.stage(self.engine, saved)
         committed = False
         try:
             with _interrupts_ignored():  # the swap is bookkeeping over ints: once begun, it runs to the end
@@ -326,6 +327,10 @@ class ContextManager(ContextPlacement, ContextViews):
         return len(chunks)
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _layout(self) -> dict[str, object]:
+        """What a state file must match to be loaded into this session."""
+        return persist.layout(self.engine, self.model_id, self.fingerprint)
 
     def _remove_from_context(self, chunk_id: str) -> bool:
         found = chunk_id in self.middle or chunk_id in self.turns or chunk_id in (self.system, self.query)

@@ -29,7 +29,7 @@ def chunk_info(chunk: Chunk, blocks: BlockManager, place: int | None) -> ChunkIn
         text=chunk.text,
         num_tokens=len(chunk.token_ids),
         num_blocks=len(span.block_ids) if span else 0,
-        num_refs=max((blocks.blocks[b].ref_count for b in span.block_ids), default=0) if span else 0,
+        num_refs=max((blocks.ref_count(b) for b in span.block_ids), default=0) if span else 0,
         place=place,
         pinned=bool(span and span.pinned),
         output_number=chunk.output_number,

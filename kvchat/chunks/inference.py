@@ -69,16 +69,18 @@ class Inference:
         self.finish_reason = "cancelled"
         self.text: list[str] = []  # the answer's text, as the steps released it
         self.plan_s = 0.0
-        self._seq: Sequence | None = None  # the sequence while this inference holds its blocks
+        self.seq: Sequence | None = None  # the context's sequence, from before its first block on
+        self._holds_blocks = False  # until hand_over: leaving the `with` block frees them
 
     def __enter__(self) -> Inference:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         """The one way out: the blocks not handed over go back, whatever ended the block."""
-        if self._seq is not None:
-            self.setup.engine.free(self._seq)
-            self._seq = None
+        if self._holds_blocks:
+            assert self.seq is not None
+            self.setup.engine.free(self.seq)
+            self._holds_blocks = False
 
     def compose(self, reserve_tokens: int = 0) -> ComposedSequence:
         """The context's sequence with KV reused per the mode, room checked for `reserve_tokens` more.
@@ -86,15 +88,15 @@ class Inference:
         engine = self.setup.engine
         token_ids = self.placement.token_ids
         _check_room(engine, len(token_ids), reserve_tokens)
-        self._seq = engine.new_sequence(token_ids)
+        self.seq, self._holds_blocks = engine.new_sequence(token_ids), True
         mode, rotation = self.setup.mode, self.setup.rotation
         if mode is not ReuseMode.EXACT and rotation is None:
             raise ChunkError(f"{mode} moves cached keys, which this model cannot re-rotate: use exact")
         ranges = self.placement.ranges
-        self.composed = compose(engine, self._seq, ranges, mode, self.setup.repair, rotation)
-        missing = -(-(len(token_ids) + reserve_tokens) // engine.block_size) - len(self._seq.block_table)
-        if missing > engine.blocks.num_free:
-            free = engine.blocks.num_free
+        self.composed = compose(engine, self.seq, ranges, mode, self.setup.repair, rotation)
+        missing = -(-(len(token_ids) + reserve_tokens) // engine.block_size) - len(self.seq.block_table)
+        if missing > engine.num_free_blocks:
+            free = engine.num_free_blocks
             raise CacheFullError(f"KV cache full: {missing} more blocks needed for the answer, {free} free")
         return self.composed
 
@@ -137,15 +139,17 @@ class Inference:
 
     @property
     def generated_ids(self) -> list[int]:
-        seq = self.composed.seq if self.composed else None
-        return [] if seq is None else seq.token_ids[self.prompt_len : self.prompt_len + self._num_generated]
+        if self.seq is None:
+            return []
+        return self.seq.token_ids[self.prompt_len : self.prompt_len + self._num_generated]
 
     def close_turn(self) -> Answer | None:
         """End the answer with the end-of-turn tokens and compute the KV still missing, so the whole
         turn can be reused. None when nothing was generated (cancelled in the prefill)."""
-        if self.last is None or self._seq is None:
+        if self.last is None or not self._holds_blocks:
             return None
-        engine, seq = self.setup.engine, self._seq
+        engine, seq = self.setup.engine, self.seq
+        assert seq is not None
         fmt = self.setup.format
         close_ids = fmt.assistant_close_ids
         generated = self.generated_ids
@@ -162,9 +166,9 @@ class Inference:
 
     def hand_over(self) -> Sequence:
         """Give the sequence (and its block references) to the caller, who keeps it."""
-        seq, self._seq = self._seq, None
-        assert seq is not None
-        return seq
+        assert self.seq is not None and self._holds_blocks
+        self._holds_blocks = False
+        return self.seq
 
     def keep(self, registry: ChunkRegistry) -> tuple[Chunk, Sequence] | None:
         """Close the turn and hand it over as kept chunks: the answer becomes an output chunk of
@@ -212,7 +216,7 @@ class Inference:
             had_think=output.had_think if output else False,
             drafted_tokens=stats.drafted_tokens if stats else 0,
             accepted_tokens=stats.accepted_tokens if stats else 0,
-            prompt_ids=composed.seq.token_ids[: self.prompt_len] if composed else [],
+            prompt_ids=self.seq.token_ids[: self.prompt_len] if self.seq else [],  # none before the prefill
         )
 
     @property
@@ -227,7 +231,7 @@ def _check_room(engine: Engine, num_tokens: int, reserve_tokens: int) -> None:
             f"this context ({num_tokens} tokens) plus {reserve_tokens} for the answer is longer than the "
             f"model's {limit} positions; drop chunks or lower --max-tokens"
         )
-    capacity = engine.blocks.num_blocks * engine.block_size
+    capacity = engine.capacity_tokens
     if num_tokens + reserve_tokens > capacity:
         raise CacheFullError(
             f"this context ({num_tokens} tokens) plus {reserve_tokens} for the answer does not fit in "

@@ -228,10 +228,10 @@ def stage(engine: Engine, saved: SavedState) -> tuple[Sequence | None, list[Chun
     few are free): the live sequence (owned by the caller, not yet indexed: `engine.index` it once
     committed) and the chunks with their spans. On any failure or interrupt, every block it took is
     given back."""
-    if saved.num_blocks > engine.blocks.num_free:
+    if saved.num_blocks > engine.num_free_blocks:
         raise StateFileError(
             f"{saved.path}: needs {saved.num_blocks} KV blocks beside this session's, "
-            f"{engine.blocks.num_free} free: /reset first or raise --kv-memory"
+            f"{engine.num_free_blocks} free: /reset first or raise --kv-memory"
         )
     meta, tensors = saved.meta, saved.tensors
     live: Sequence | None = None

@@ -48,7 +48,7 @@ def measure_fidelity(
     except CacheFullError:
         raise CacheFullError(
             f"/verify needs room for a second, fully recomputed copy of the context "
-            f"({approx_seq.num_blocks_needed} blocks; {engine.blocks.num_free} free): raise --kv-memory"
+            f"({approx_seq.num_blocks_needed} blocks; {engine.num_free_blocks} free): raise --kv-memory"
         ) from None
     try:
         full = engine.compute(full_seq)

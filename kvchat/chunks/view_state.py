@@ -72,7 +72,7 @@ def make_view_state(
         context=tuple(copies.get(c.chunk_id, c) for c in context),
         can_answer=can_answer,
         live=live_copy,
-        blocks=tuple(BlockState(b.ref_count, b.pin_count, b.parent_hash is not None) for b in blocks.blocks),
+        blocks=tuple(BlockState(*state) for state in blocks.states()),
         block_size=blocks.block_size,
         kept_spans=spans,
         generation_prompt_ids=tuple(format_ids[0]),

@@ -1,5 +1,5 @@
-"""The cache views' commands: /show, /stats, /blocks, /attention, /compare and /verify. The shell's
-class takes them as its own methods (`stats = cache_commands.stats`), in the place /help lists them.
+"""The cache views' commands: /show, /stats, /blocks, /attention, /compare and /verify, which the
+shell offers after its own (kvchat.cli.commands.COMMAND_MODULES).
 The modules that run the model are imported when a command runs, so that starting the CLI loads no
 torch."""
 
@@ -14,12 +14,11 @@ from kvchat.chunks.reports import AttentionReport, Comparison, FidelityReport
 from kvchat.chunks.types import CacheStats, ChunkDetail, ReuseMode
 from kvchat.cli.arguments import count
 from kvchat.cli.results import ChunkHeat
-from kvchat.cli.slash_commands import ArgKind, command
+from kvchat.cli.slash_commands import ArgKind, ShellState, command
 from kvchat.errors import CommandError
 
 if TYPE_CHECKING:
     from kvchat.chunks.context import ContextManager
-    from kvchat.cli.commands import Shell
     from kvchat.engine.sampling import SamplingParams
 
 DEFAULT_MODES = (ReuseMode.EXACT, ReuseMode.REPOSITION, ReuseMode.REPAIR)
@@ -31,7 +30,7 @@ DEFAULT_MODES = (ReuseMode.EXACT, ReuseMode.REPOSITION, ReuseMode.REPAIR)
     usage="N|ID [heat]",
     arg=ArgKind.CHUNK,
 )
-def show(self: Shell, arg: str) -> ChunkDetail | ChunkHeat:
+def show(shell: ShellState, arg: str) -> ChunkDetail | ChunkHeat:
     """Everything about one chunk, by number or id: its number, role and id; its tokens and token
     ids (the first 64; --json has all); the positions it takes in the current context; the positions
     its kept KV was computed at (where these differ, reuse must reposition or recompute it); the
@@ -43,14 +42,14 @@ def show(self: Shell, arg: str) -> ChunkDetail | ChunkHeat:
     ref, _, option = arg.partition(" ")
     if option.strip() not in ("", "heat"):
         raise CommandError(f"unknown option {option.strip()!r}: /show N|ID [heat]")
-    detail = self.ctx.chunk(ref)
+    detail = shell.ctx.chunk(ref)
     if not option.strip():
         return detail
-    return _heat(self.ctx, detail)
+    return _heat(shell.ctx, detail)
 
 
 @command("stats", "KV cache blocks, bytes and hit rate")
-def stats(self: Shell, arg: str) -> CacheStats:
+def stats(shell: ShellState, arg: str) -> CacheStats:
     """The paged KV cache, whose size --ctx-size (tokens) or --kv-memory (MiB) sets.
     Rows:
       blocks      used (referenced by the live sequence or a chunk), pinned (retained outputs),
@@ -61,11 +60,11 @@ def stats(self: Shell, arg: str) -> CacheStats:
       KV memory   bytes of the used blocks, of the whole budget (--kv-memory)
       hit rate    prompt tokens found in the cache, of those looked up, since start or /reset
     """
-    return self.ctx.stats()
+    return shell.ctx.stats()
 
 
 @command("blocks", "Map of the KV pool: each block's chunk, sharing, pins, moved KV")
-def blocks(self: Shell, arg: str) -> BlockMap:
+def blocks(shell: ShellState, arg: str) -> BlockMap:
     """One cell per block of the KV pool, lettered by the chunk whose KV it holds (the legend gives
     each letter's chunk number, role, id and the blocks its tokens are in). Marks: + pinned (a
     retained output), * pinned and shared, = shared (more than one reference), . cached
@@ -78,7 +77,7 @@ def blocks(self: Shell, arg: str) -> BlockMap:
     the blocks kept for the chunk itself, so a query or a user turn, held only by the live
     conversation, shows blocks here and 0 there.
     """
-    return cache_map(self.ctx)
+    return cache_map(shell.ctx)
 
 
 @command(
@@ -87,7 +86,7 @@ def blocks(self: Shell, arg: str) -> BlockMap:
     usage="[N]",
     arg=ArgKind.OUTPUT,
 )
-def attention(self: Shell, arg: str) -> AttentionReport:
+def attention(shell: ShellState, arg: str) -> AttentionReport:
     """Re-reads the last answer (or output N) teacher-forced with attention weights, one extra
     forward over the answer, and shows the share of attention its tokens paid to each chunk of its
     context, averaged over heads and layers, and per layer group (early, middle, late thirds).
@@ -96,7 +95,7 @@ def attention(self: Shell, arg: str) -> AttentionReport:
     from kvchat.chunks.attention import attention_map
 
     with cancellable("attention"):
-        return attention_map(self.ctx, count(arg) if arg else None)
+        return attention_map(shell.ctx, count(arg) if arg else None)
 
 
 @command(
@@ -105,7 +104,7 @@ def attention(self: Shell, arg: str) -> AttentionReport:
     usage="[MODE...]",
     arg=ArgKind.MODE,
 )
-def compare(self: Shell, arg: str) -> Comparison:
+def compare(shell: ShellState, arg: str) -> Comparison:
     """Answers the current query once per MODE (exact, reposition, repair; default all three) from
     the same cached chunks, greedily and without speculative drafts whatever the settings, so
     differences come from the KV alone. Shows each answer with the first differing token marked,
@@ -113,13 +112,13 @@ def compare(self: Shell, arg: str) -> Comparison:
     reference (exact if compared, else the first mode).
     Nothing is kept: no output, the live sequence unchanged.
     """
-    return compare_modes_told(self.ctx, arg, self.settings.sampling, self.notify)
+    return compare_modes_told(shell.ctx, arg, shell.settings.sampling, shell.notify)
 
 
 @command(
     "verify", "Compare the reuse mode with a full recompute over N tokens", usage="[N]", arg=ArgKind.TEXT
 )
-def verify(self: Shell, arg: str) -> FidelityReport:
+def verify(shell: ShellState, arg: str) -> FidelityReport:
     """Runs the current context twice: once composed in the reuse mode, once fully recomputed, and
     compares them. N (default reuse.verify_tokens, 16) is how many answer positions are compared. It
     needs room for a second copy of the context's KV; nothing is kept.
@@ -136,7 +135,7 @@ def verify(self: Shell, arg: str) -> FidelityReport:
     Fewer than N positions are compared when the full recompute's answer ends sooner.
     """
     with cancellable("verify"):
-        return self.ctx.verify(count(arg) if arg else self.settings.reuse.verify_tokens)
+        return shell.ctx.verify(count(arg) if arg else shell.settings.reuse.verify_tokens)
 
 
 @contextmanager

@@ -3,11 +3,14 @@ and `run_line`, which runs one line through it and shows what it returned (the R
 one-shot runs share it).
 
 Handlers check their argument, call the context manager and return a record; they never print.
-Bad input raises a KvchatError before anything changes.
+Bad input raises a KvchatError before anything changes. The shell's own methods are the commands on
+the context; the command modules it names (COMMAND_MODULES) add the cache views, the settings, the
+state file and the habits, each taking the shell's state as its first argument.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Generator, Iterator
 from enum import Enum
 from pathlib import Path
@@ -16,16 +19,9 @@ from typing import TYPE_CHECKING, Any
 from kvchat.chunks.types import InferenceResult, InferenceStream
 from kvchat.cli import cache_commands, file_commands, habit_commands, setting_commands
 from kvchat.cli.arguments import count, file_argument, read_text
-from kvchat.cli.results import (
-    ChunkChange,
-    ChunkList,
-    HelpView,
-    Notice,
-    OutputList,
-    Quit,
-)
+from kvchat.cli.results import ChunkChange, ChunkList, Notice, OutputList, Quit
 from kvchat.cli.settings import user_config_file
-from kvchat.cli.slash_commands import ArgKind, Command, CommandRegistry, command, split_command
+from kvchat.cli.slash_commands import ArgKind, CommandRegistry, command, split_command
 from kvchat.engine.records import GenerationStep, PrefillProgress
 from kvchat.errors import CommandError, KvchatError
 
@@ -34,17 +30,31 @@ if TYPE_CHECKING:
     from kvchat.cli.ui import UI
     from kvchat.config import Settings
 
+# The modules whose commands the shell offers after its own, in the order /help lists them.
+COMMAND_MODULES = (cache_commands, setting_commands, file_commands, habit_commands)
+
 
 class Shell:
     """What the REPL and the script runner drive: `execute` one line, get a record back."""
 
     def __init__(self, ctx: ContextManager, settings: Settings, config_file: Path | None = None) -> None:
         self.ctx = ctx
-        self.settings = settings
+        self._settings = settings  # its reuse.mode is the one the session started with
         self.started_model = settings.model  # what /info describes; /set model.* waits for a restart
         self.config_file = user_config_file(config_file)  # where /set says a setting can be kept
         self.notify: Callable[[str], None] | None = None  # progress of a long command, one line each
-        self.commands = CommandRegistry(self)
+        self.commands = CommandRegistry(self, COMMAND_MODULES)
+
+    @property
+    def settings(self) -> Settings:
+        """The session's settings. The reuse mode among them is the context manager's (`ctx.mode`),
+        its one holder, which /set and /mode change through `apply_live_settings`."""
+        reuse = dataclasses.replace(self._settings.reuse, mode=str(self.ctx.mode))
+        return dataclasses.replace(self._settings, reuse=reuse)
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        self._settings = settings
 
     def execute(self, line: str, parts: tuple[str, str] | None) -> tuple[str, Any]:
         """Run one line, split by the caller (`split_command(line)`; None: plain text, a chat turn);
@@ -110,8 +120,6 @@ class Shell:
         """
         return self.ctx.infer(self.settings.sampling)
 
-    retry = habit_commands.retry
-
     @command("output", "List the retained outputs")
     def output(self, arg: str) -> OutputList:
         """Every answer is kept, with its KV pinned, until /delete-output.
@@ -159,8 +167,6 @@ class Shell:
         in_context_first = sorted(self.ctx.chunks(), key=lambda c: (c.place is None, c.place or 0, c.number))
         return ChunkList(in_context_first)
 
-    show = cache_commands.show
-
     @command("drop", "Remove a chunk from the context", usage="N|ID", arg=ArgKind.CHUNK)
     def drop(self, arg: str) -> ChunkChange:
         """Removes a chunk (by number or id) from the context. It stays registered: /chunks lists it,
@@ -196,37 +202,6 @@ class Shell:
         """
         num_blocks = self.ctx.evict_cached()
         return Notice(f"{num_blocks} cached blocks dropped", {"num_evicted": num_blocks})
-
-    stats = cache_commands.stats
-
-    info = habit_commands.info
-
-    blocks = cache_commands.blocks
-
-    attention = cache_commands.attention
-
-    compare = cache_commands.compare
-
-    set = setting_commands.set_setting
-    mode = setting_commands.mode
-
-    verify = cache_commands.verify
-
-    save = file_commands.save
-    load = file_commands.load
-
-    @command(
-        "help", "List the commands, or explain one", usage="[COMMAND]", arg=ArgKind.COMMAND, aliases=("?",)
-    )
-    def help(self, arg: str) -> HelpView:
-        """Without an argument, lists the commands; with one (with or without its /), explains it."""
-        topic: Command | None = self.commands.get(arg.removeprefix("/")) if arg else None
-        return HelpView(list(self.commands), topic)
-
-    @command("quit", "Leave kvchat", aliases=("exit", "bye"), destructive=True)
-    def quit(self, arg: str) -> Quit:
-        """Leaves kvchat (Ctrl-D too). Nothing is saved: use /save first to keep the session."""
-        return Quit()
 
 
 class Status(Enum):

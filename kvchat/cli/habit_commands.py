@@ -1,5 +1,5 @@
-"""Commands that users of other local chat tools reach for: /retry and /info. The shell's class takes
-them as its own methods (`retry = habit_commands.retry`), in the place /help lists them."""
+"""Commands that users of other local chat tools reach for: /retry, /info, /help and /quit. The shell
+offers them last, after its own commands and the other modules' (kvchat.cli.commands.COMMAND_MODULES)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvchat.chunks.types import InferenceStream
-from kvchat.cli.slash_commands import command
+from kvchat.cli.results import HelpView, Quit
+from kvchat.cli.slash_commands import ArgKind, Command, ShellState, command
 
 if TYPE_CHECKING:
-    from kvchat.cli.commands import Shell
     from kvchat.models.info import ModelInfo
 
 
 @command("retry", "Generate the last answer again, in its place")
-def retry(self: Shell, arg: str) -> InferenceStream:
+def retry(shell: ShellState, arg: str) -> InferenceStream:
     """Answers again what the newest output answered (a chat message or /infer), from the same
     context: with sampling a new sample, greedily (temperature 0) the same answer, to the bit where
     /info says batch-invariant (elsewhere a near tie may go the other way: the retry computes the last
@@ -27,11 +27,11 @@ def retry(self: Shell, arg: str) -> InferenceStream:
     that answer (say, a new /query or /system), or when that output is itself in the context
     (/use-output).
     """
-    return self.ctx.retry(self.settings.sampling)
+    return shell.ctx.retry(shell.settings.sampling)
 
 
 @command("info", "The model: source, family, parameters, dtype, context length, template, KV budget")
-def info(self: Shell, arg: str) -> ModelInfo:
+def info(shell: ShellState, arg: str) -> ModelInfo:
     """What this session runs:
       model           its id: an alias's hub id, a hub id, or the path of a folder or .gguf file
       source          where the weights came from (packaged GGUF, GGUF file, local folder, hub cache)
@@ -51,9 +51,9 @@ def info(self: Shell, arg: str) -> ModelInfo:
       device, threads where it runs, and torch's CPU threads
     These are the values kvchat started with; /set of a model.* setting applies at the next start.
     """
-    started = self.started_model
+    started = shell.started_model
     return replace(
-        self.ctx.model_info(),
+        shell.ctx.model_info(),
         source=describe_source(started.model),
     )
 
@@ -70,3 +70,16 @@ def describe_source(spec: str) -> str:
     if source.kind == "local":
         return f"local folder {source.location}"
     return "the Hugging Face hub (its local cache)"
+
+
+@command("help", "List the commands, or explain one", usage="[COMMAND]", arg=ArgKind.COMMAND, aliases=("?",))
+def help(shell: ShellState, arg: str) -> HelpView:
+    """Without an argument, lists the commands; with one (with or without its /), explains it."""
+    topic: Command | None = shell.commands.get(arg.removeprefix("/")) if arg else None
+    return HelpView(list(shell.commands), topic)
+
+
+@command("quit", "Leave kvchat", aliases=("exit", "bye"), destructive=True)
+def quit(shell: ShellState, arg: str) -> Quit:
+    """Leaves kvchat (Ctrl-D too). Nothing is saved: use /save first to keep the session."""
+    return Quit()

@@ -1,17 +1,12 @@
-"""/set and /mode: the settings of a running session. The shell's class takes them as its own
-methods (`set = setting_commands.set_setting`), in the place /help lists them."""
+"""/set and /mode: the settings of a running session. The shell offers them with its own
+commands (kvchat.cli.commands.COMMAND_MODULES)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvchat.cli.results import Notice, SettingsView
 from kvchat.cli.settings import one_setting, restart_hint, set_help, setting_info, setting_values, shown_value
-from kvchat.cli.slash_commands import ArgKind, command
+from kvchat.cli.slash_commands import ArgKind, ShellState, command
 from kvchat.config import replace_setting
-
-if TYPE_CHECKING:
-    from kvchat.cli.commands import Shell
 
 
 @command(
@@ -21,22 +16,22 @@ if TYPE_CHECKING:
     arg=ArgKind.SETTING,
     details=set_help(),
 )
-def set_setting(self: Shell, arg: str) -> SettingsView | Notice:
+def set_setting(shell: ShellState, arg: str) -> SettingsView | Notice:
     if not arg:
-        return SettingsView(setting_values(self.settings), self.ctx.resolved_settings())
+        return SettingsView(setting_values(shell.settings), shell.ctx.resolved_settings())
     typed_key, _, value = arg.partition(" ")
     if not value.strip():
-        return one_setting(self.settings, typed_key, self.ctx.resolved_settings())
+        return one_setting(shell.settings, typed_key, shell.ctx.resolved_settings())
     info = setting_info(typed_key)
-    settings = replace_setting(self.settings, info.key, value.strip())
+    settings = replace_setting(shell.settings, info.key, value.strip())
     new_value = setting_values(settings)[info.key]
     if info.spec.live:
         from kvchat.session import apply_live_settings  # torch: imported once a model runs
 
-        apply_live_settings(self.ctx, settings)
-    self.settings = settings
+        apply_live_settings(shell.ctx, settings)
+    shell.settings = settings
     # Settings that are not live are read once, when kvchat starts.
-    later = "" if info.spec.live else f" ({restart_hint(info, new_value, self.config_file)})"
+    later = "" if info.spec.live else f" ({restart_hint(info, new_value, shell.config_file)})"
     return Notice(f"{info.key} = {shown_value(new_value)}{later}", {"key": info.key, "value": new_value})
 
 
@@ -46,7 +41,7 @@ def set_setting(self: Shell, arg: str) -> SettingsView | Notice:
     usage="[exact|reposition|repair]",
     arg=ArgKind.MODE,
 )
-def mode(self: Shell, arg: str) -> Notice:
+def mode(shell: ShellState, arg: str) -> Notice:
     """How a cached chunk is reused when what comes before it changed:
       exact       recompute from the first token whose prefix differs (same result as a full recompute)
       reposition  move its KV to the new positions (keys re-rotated): fastest, approximate
@@ -56,5 +51,5 @@ def mode(self: Shell, arg: str) -> Notice:
     Without an argument, shows the mode in use. /verify measures what a mode costs.
     """
     if arg:
-        self.set(f"reuse.mode {arg}")  # one path keeps the setting and the context manager agreeing
-    return Notice(f"reuse mode: {self.ctx.mode}", {"mode": str(self.ctx.mode)})
+        set_setting(shell, f"reuse.mode {arg}")  # the context manager holds it; /set checks and applies it
+    return Notice(f"reuse mode: {shell.ctx.mode}", {"mode": str(shell.ctx.mode)})

@@ -1,20 +1,29 @@
-"""Slash commands as data: a decorator marks handler methods, a registry collects them per object.
+"""Slash commands as data: a decorator marks handlers, a registry collects them per object.
 
-`/help`, completion and the "did you mean" hint all read the registry, so a command exists in one
-place only. The registry belongs to the object whose methods it holds (the shell), never to a module.
+A handler is a method of the shell or a function of a command module taking the shell's state
+(`ShellState`) first; the shell names the modules whose commands it offers, and its registry binds
+them to it. `/help`, completion and the "did you mean" hint all read the registry, so a command
+exists in one place only. The registry belongs to the object it binds (the shell), never to a module.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvchat.errors import CommandError
+
+if TYPE_CHECKING:
+    from kvchat.chunks.context import ContextManager
+    from kvchat.config import ModelSettings, Settings
 
 PREFIX = "/"
 SUGGEST_CUTOFF = 0.75  # difflib similarity: one typo in a short name (/stat, /quti), not /bogus for /blocks
@@ -58,6 +67,17 @@ class Command:
         return f"{PREFIX}{self.name} {self.usage}".rstrip()
 
 
+class ShellState(Protocol):
+    """What a command module's handler reads and sets of the shell that runs it."""
+
+    ctx: ContextManager
+    settings: Settings  # /set replaces it
+    started_model: ModelSettings  # what /info describes; /set model.* waits for a restart
+    config_file: Path  # where /set says a setting can be kept
+    notify: Callable[[str], None] | None  # progress of a long command, one line each
+    commands: CommandRegistry
+
+
 def command(
     name: str,
     summary: str,
@@ -68,8 +88,9 @@ def command(
     details: str | None = None,
     destructive: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Mark a method `(self, arg: str) -> record` as the handler of `/name`; its docstring is the
-    longer help unless `details` (text built from data, such as the settings schema) is given."""
+    """Mark a method `(self, arg: str) -> record`, or a command module's function `(shell: ShellState,
+    arg: str) -> record`, as the handler of `/name`; its docstring is the longer help unless `details`
+    (text built from data, such as the settings schema) is given."""
 
     def mark(func: Callable[..., Any]) -> Callable[..., Any]:
         text = (inspect.getdoc(func) or "") if details is None else details
@@ -81,14 +102,17 @@ def command(
 
 
 class CommandRegistry:
-    """The commands of one owner object, in the order its class defines them."""
+    """The commands of one owner object: its class's, then each module's, in the order written."""
 
-    def __init__(self, owner: object) -> None:
+    def __init__(self, owner: object, modules: Iterable[ModuleType] = ()) -> None:
         self._commands: dict[str, Command] = {}
         self._names: dict[str, str] = {}  # name or alias -> name
         for attr in _marked_attributes(type(owner)):
             unbound: Command = getattr(getattr(type(owner), attr), _MARK)
             self._add(replace(unbound, handler=getattr(owner, attr)))
+        for module in modules:
+            for func in _marked_functions(module):
+                self._add(replace(getattr(func, _MARK), handler=functools.partial(func, owner)))
 
     def _add(self, cmd: Command) -> None:
         for name in (cmd.name, *cmd.aliases):
@@ -117,6 +141,15 @@ def _marked_attributes(cls: type) -> list[str]:
             if inspect.isfunction(value) and hasattr(value, _MARK):
                 seen[attr] = None
     return list(seen)
+
+
+def _marked_functions(module: ModuleType) -> list[Callable[..., Any]]:
+    # The module's own handlers (not ones it imports), in the order it defines them.
+    return [
+        value
+        for value in vars(module).values()
+        if inspect.isfunction(value) and hasattr(value, _MARK) and value.__module__ == module.__name__
+    ]
 
 
 def split_command(line: str) -> tuple[str, str] | None:

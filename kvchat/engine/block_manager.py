@@ -112,6 +112,22 @@ class BlockManager:
         return len(self.blocks)
 
     @property
+    def capacity_tokens(self) -> int:
+        """The most tokens the blocks can hold, all of them together."""
+        return self.num_blocks * self.block_size
+
+    def generation(self, block_id: int) -> int:
+        """How many times the block was handed out: a handle taken at another generation is stale."""
+        return self.blocks[block_id].generation
+
+    def ref_count(self, block_id: int) -> int:
+        return self.blocks[block_id].ref_count
+
+    def states(self) -> list[tuple[int, int, bool]]:
+        """(references, pins, holds reusable KV) of each block, in block order."""
+        return [(b.ref_count, b.pin_count, b.parent_hash is not None) for b in self.blocks]
+
+    @property
     def num_free(self) -> int:
         """Blocks that can be handed out now (unreferenced, with or without reusable KV)."""
         return len(self._unreferenced)

@@ -2,9 +2,10 @@
 
 The lean step runs one token, or speculation's few, or a prefill chunk (batch invariance on), through a
 layer loop over the model's weights, without the module forward's cache and mask bookkeeping. A decode
-token reads every weight once, so what is not a matrix product is overhead: for SmolLM2-135M the module
-forward took ~60 ms a token where its weights take ~12 to read, and a loop over torch's small ops (~45 a
-layer, each paying ~2-10 us of dispatch) still left ~7 ms. With kvchat's kernels built
+token reads every weight once, so what is not a matrix product is overhead: for a small model such as
+SmolLM2-135M the module forward spends most of a token outside its products, and a loop over torch's
+small ops (dozens a layer, each paying its dispatch) still spends a good share there
+(scripts/bench_decode.py compares the paths). With kvchat's kernels built
 (native/decode_layer.cpp) every layer runs in one op, `kvchat::decoder_layers`: its RMSNorms, its
 rotation with the K/V written to the pool, its attention and silu(gate) * up are one C++ call each, its
 projections one call of their kernel (query, key and value fused into one, and gate and up:
@@ -188,6 +189,7 @@ class LeanDecodeStep:
         self.has_qk_norm = hasattr(first, "q_norm")
         param = next(model.parameters())
         native = kernels.built() and param.device.type == "cpu" and param.dtype in NATIVE_DTYPES
+        self.native = native  # kvchat's ops run the norms (and, with `parts`, whole layers)
         silu = getattr(model.config, "hidden_act", None) == "silu"
         self.parts = layer_parts(self.base.layers, silu, param.dtype) if native else None
         self.rotations = RotationTable(self.base) if RotationTable.takes(self.base) else None
@@ -220,7 +222,7 @@ class LeanDecodeStep:
             hidden = kv.decoder_layers(hidden[0], parts, eps, rotated, self.num_heads, self.scaling)[None]
         else:
             hidden = self._layers(hidden, kv, cos, sin)
-        hidden = rms_norm(self.base.norm, hidden[:, -num_logits:])  # (1, n, d)
+        hidden = rms_norm(self.base.norm, hidden[:, -num_logits:], self.native)  # (1, n, d)
         return self.lm_head(hidden)[0]  # (n, V)
 
     def _layers(
@@ -229,12 +231,12 @@ class LeanDecodeStep:
         """The decoder layers a layer at a time, through the model's modules."""
         for index, layer in enumerate(self.base.layers):
             attn = layer.self_attn
-            x = rms_norm(layer.input_layernorm, hidden)  # (1, q, d)
+            x = rms_norm(layer.input_layernorm, hidden, self.native)  # (1, q, d)
             query, keys, values = self._project(attn, x)
             query, keys = rope(query, cos, sin), rope(keys, cos, sin)
             out = kv.attend(index, query, keys, values, self.scaling)  # (1, q, Hq*D)
             hidden = hidden + attn.o_proj(out)
-            hidden = hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
+            hidden = hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden, self.native))
         return hidden
 
     def _project(self, attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -242,20 +244,19 @@ class LeanDecodeStep:
         shape = (*x.shape[:-1], -1, self.head_dim)  # (1, q, H, D)
         query, keys = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
         if self.has_qk_norm:
-            query, keys = rms_norm(attn.q_norm, query), rms_norm(attn.k_norm, keys)
+            query, keys = rms_norm(attn.q_norm, query, self.native), rms_norm(attn.k_norm, keys, self.native)
         values = attn.v_proj(x).view(shape)
         return query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
 
 
-def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+def rms_norm(norm, x: torch.Tensor, native: bool) -> torch.Tensor:
     """The families' RMSNorm module applied to `x`: in fp32, x / sqrt(mean(x^2) + eps), cast back,
-    times the weight. kvchat's one op where it is built, else torch's fused kernel for the middle (4
-    ops where the module runs 8)."""
+    times the weight. kvchat's one op where `native` (its kernels built, for this device and dtype),
+    else torch's fused kernel for the middle (4 ops where the module runs 8)."""
     if type(norm).__name__ not in RMS_NORMS:
         return norm(x)
     weight = norm.weight
-    native = x.dtype == weight.dtype and x.dtype in NATIVE_DTYPES and x.device.type == "cpu"
-    if native and not torch.compiler.is_compiling() and kernels.built():
+    if native and x.dtype == weight.dtype and x.dtype in NATIVE_DTYPES:
         return torch.ops.kvchat.rms_norm(x, weight, norm.variance_epsilon)
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon)
     return weight * normed.to(x.dtype)

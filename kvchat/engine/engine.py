@@ -15,6 +15,7 @@ from torch import nn
 from kvchat.engine import native_attention
 from kvchat.engine.bf16_linears import TiledLinear, pack_linears_, tile_linears_
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, Sequence, chain_hash
+from kvchat.engine.costs import VERIFY_COSTS
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.forward_cache import ForwardCache, cache_argument
 from kvchat.engine.paged_attention import KVPool, PagedKV
@@ -29,18 +30,6 @@ def kv_shape(config) -> tuple[int, int, int]:
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return config.num_hidden_layers, num_kv_heads, head_dim
-
-
-# verify_cost's terms, in single-token steps: fixed, its change per 1,000 tokens of context, per draft,
-# and its change per 1,000 tokens (SmolLM2, one thread; scripts/README.md, "Speculative decoding")
-VERIFY_COSTS = {
-    "lean": (1.0, 0.0, 0.03, 0.025),
-    "lean-tiled": (1.0, 0.0, 0.2, 0.04),
-    "lean-fp32": (1.7, 0.0, 0.04, 0.015),
-    "lean-fp32-tiled": (1.0, 0.0, 0.13, 0.015),
-    "lean-int4": (1.0, 0.0, 0.265, 0.04),
-    "lean-int8": (1.0, 0.0, 0.2, 0.05),
-}
 
 
 def quantized_kernel(model: nn.Module) -> str | None:
@@ -121,35 +110,40 @@ class Engine:
 
     def verify_cost(self, num_drafts: int, context: int = 0) -> float:
         """What a forward over the last token and `num_drafts` drafts costs, in single-token steps of
-        this engine, after `context` tokens: what speculation's draft budget weighs a step's tokens
-        against.
-
-        Measured on SmolLM2-135M, one CPU thread (scripts/README.md, "Speculative decoding"), after ~50
-        tokens: ~1 + 0.2k in bf16 on kvchat's kernel (~1 + 0.03k on oneDNN's), ~1 + 0.13k in fp32 on
-        kvchat's kernel (~1.7 + 0.04k on MKL's, whose product over a few rows reads the weights at about
-        half its one-row rate), ~1 + 0.265k in int4 and ~1 + 0.2k in int8. kvchat's kernels stream one row's
-        weights at the machine's bandwidth, but further rows cost them products (bf16 ones every eight rows,
-        fp32 ones every four, integer ones each row in int4 and int8), and once every decoder layer is one
-        native op little else is left of a token to share. Each draft costs more as the context grows (its
-        attention over every position: +0.015-0.05 a draft per 1,000 tokens). Elsewhere (the module forward,
-        a GPU) it is taken as oneDNN's bf16 costs."""
+        this engine's decode path, after `context` tokens: what speculation's draft budget weighs a
+        step's tokens against (kvchat.engine.costs, measured as it says)."""
         if self._decode_step is not None and self._quantized:
-            costs = VERIFY_COSTS[f"lean-{self._quantized}"]
+            path = f"lean-{self._quantized}"
         elif self._decode_step is not None and self.dtype == torch.float32 and self.device.type == "cpu":
-            costs = VERIFY_COSTS["lean-fp32-tiled" if self._tiled else "lean-fp32"]
+            path = "lean-fp32-tiled" if self._tiled else "lean-fp32"
         elif self._decode_step is not None and self._tiled:
-            costs = VERIFY_COSTS["lean-tiled"]
+            path = "lean-tiled"
         else:
-            costs = VERIFY_COSTS["lean"]
-        fixed, fixed_per_1k, per_draft, per_draft_per_1k = costs
-        thousands = context / 1000
-        checked = max(1.0, fixed + fixed_per_1k * thousands)  # never below the token it checks with
-        return checked + (per_draft + per_draft_per_1k * thousands) * num_drafts
+            path = "lean"
+        cost, thousands = VERIFY_COSTS[path], context / 1000
+        checked = max(1.0, cost.fixed + cost.fixed_per_1k * thousands)
+        return checked + (cost.per_draft + cost.per_draft_per_1k * thousands) * num_drafts
 
     @property
     def max_positions(self) -> int | None:
         """The most positions the model was trained for, when its config says."""
         return getattr(self.model.config, "max_position_embeddings", None)
+
+    # -- the blocks, as callers read them ---------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens the KV budget holds."""
+        return self.blocks.capacity_tokens
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a sequence can take now (cached KV among them is evicted as they are taken)."""
+        return self.blocks.num_free
+
+    def evict_cached(self) -> int:
+        """Forget the KV of every block that nothing holds; returns how many blocks did hold some."""
+        return self.blocks.evict_cached()
 
     # -- sequence lifecycle ------------------------------------------------------------------------
 

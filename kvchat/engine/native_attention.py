@@ -1,10 +1,10 @@
 """kvchat's attention kernel over the pool (kvchat/native/paged_decode.cpp), `kvchat::paged_attention`:
 the lean step's new tokens, whose K/V the pool holds.
 
-One token's attention read through a gather and two small matmuls costs, per layer of SmolLM2 in bf16,
-~60 us at 50 positions and ~450 us at 4,096: the gather copies the layer's K/V, the matmuls read the
-copy again, and torch's products are slow at these shapes. The kernel reads each past row once where
-it lies in the pool, in fp32: ~7 and ~160-190 us. Where the kernels cannot be built
+One token's attention read through a gather and two small matmuls reads the layer's K/V twice (the
+gather copies it, the matmuls read the copy), and torch's products are slow at these shapes. The kernel
+reads each past row once where it lies in the pool, in fp32, several times faster at short and long
+contexts alike (scripts/bench_decode.py measures decode at both). Where the kernels cannot be built
 (kvchat/native/kernels.py), decode attention gathers the K/V instead.
 """
 

@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import huggingface_hub
 import torch
@@ -19,7 +20,6 @@ from transformers import (
 )
 
 from kvchat import cache_files
-from kvchat.config import ModelSettings
 from kvchat.errors import KvchatError, ModelLoadError
 from kvchat.models import quantized_cache
 from kvchat.models.device import apply_threads, choose_device, choose_dtype
@@ -46,6 +46,25 @@ __all__ = [
 # Config entries that change with the machine or the load options, not with the model.
 _VOLATILE_CONFIG_KEYS = frozenset({"dtype", "torch_dtype", "transformers_version"})
 _TRUE_WORDS = ("1", "true", "yes", "on")
+
+
+class ModelChoice(Protocol):
+    """What loading reads of the model settings (kvchat.settings_schema.ModelSettings has it all)."""
+
+    @property
+    def model(self) -> str: ...  # an alias, a hub id, a local folder or a .gguf file
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def quantize(self) -> str: ...
+    @property
+    def quant_cache(self) -> bool: ...
+    @property
+    def chat_template(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -75,7 +94,7 @@ class PreparedModel:
     conversion: Conversion | None = None  # a GGUF's, made on first use
 
 
-def prepare_model(settings: ModelSettings, progress: ProgressCallback | None = None) -> PreparedModel:
+def prepare_model(settings: ModelChoice, progress: ProgressCallback | None = None) -> PreparedModel:
     """Resolve `settings.model`, start building kvchat's kernels (in a process of their own, while the
     model converts and loads), convert a GGUF on first use, and load the tokenizer."""
     source = resolve_model(settings.model)
@@ -137,7 +156,7 @@ def no_template_note(model_id: str) -> str:
 
 
 def load_model(
-    settings: ModelSettings, progress: ProgressCallback | None = None, prepared: PreparedModel | None = None
+    settings: ModelChoice, progress: ProgressCallback | None = None, prepared: PreparedModel | None = None
 ) -> LoadedModel:
     """Load the model `settings.model` names (prepared by `prepare_model` unless given) in the chosen
     dtype onto the chosen device, set CPU threads."""

@@ -13,14 +13,15 @@ from torch import nn
 from kvchat.errors import ModelLoadError
 from kvchat.models.quantized_linears import INT4_GROUP_SIZES, Int4Linear, Int8Linear
 from kvchat.models.rescored_head import RescoredHead
-from kvchat.settings_schema import all_settings
 
-QUANTIZE_MODES = all_settings()["model.quantize"].spec.choices  # declared once, with the setting
+# The int4 modes' inputs per scale and zero: 32 as GGUF's Q4_0/Q4_1 (5 bits a weight), or 128 (4.25).
+INT4_GROUPS = {"int4": 32, "int4-g128": 128}
+# The modes quantize_model runs (the model.quantize setting offers these; tests/test_quantize.py holds
+# the two together).
+QUANTIZE_MODES = ("none", "int8", *INT4_GROUPS)
 # The output layer's formats: a mode's, or "rescored" (RescoredHead: the int4 mode's layer, its highest
 # logits computed again from the embedding it is tied to).
 HEAD_MODES = (*QUANTIZE_MODES, "rescored")
-# The int4 modes' inputs per scale and zero: 32 as GGUF's Q4_0/Q4_1 (5 bits a weight), or 128 (4.25).
-INT4_GROUPS = {"int4": 32, "int4-g128": 128}
 # The aten ops each mode runs on each device type (torch >= 2.6 has the CPU int4 ones).
 KERNELS = {
     ("int8", "cpu"): ("_weight_int8pack_mm",),

@@ -33,7 +33,6 @@ import torch
 import kvchat
 from kvchat import cache_files
 from kvchat.cache_files import cache_dir
-from kvchat.models.device import num_cpus
 from kvchat.native import build_files
 from kvchat.native.build_files import BuildPlan, LibraryPlan
 
@@ -95,7 +94,7 @@ class Build:
 
     def __init__(self, plans: list[LibraryPlan], num_jobs: int | None = None) -> None:
         self.plans = plans
-        self.num_jobs = num_jobs or num_cpus()  # one compiler a CPU
+        self.num_jobs = num_jobs or _num_cpus()  # one compiler a CPU
         self.results: dict[str, Path | str] = {}  # a library's file, or why there is none
         self._proc: subprocess.Popen[str] | None = None
         self._errors: IO[bytes] | None = None
@@ -219,3 +218,8 @@ class Build:
         self._errors.seek(0)
         lines = self._errors.read().decode(errors="replace").strip().splitlines()
         return f"the build process failed: {lines[-1] if lines else 'no output'}"
+
+
+def _num_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
