@@ -11,7 +11,7 @@ import torch
 
 from kvchat.engine.engine import Engine
 from kvchat.native import kernels
-from tests.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(
     not kernels.built(), reason=f"kvchat's kernels are not built: {kernels.build_error()}"

@@ -19,9 +19,9 @@ from kvchat import cache_files
 from kvchat.config import ModelSettings
 from kvchat.models import gguf, quantized_cache
 from kvchat.models.loader import LoadedModel, load_model
-from tests.hf_tokenizers import load_smollm2_tokenizer
-from tests.test_cache_files import Notes
-from tests.tiny_models import make_tiny_model
+from tests.support.hf_tokenizers import load_smollm2_tokenizer
+from tests.support.models_on_disk import Notes
+from tests.support.tiny_models import make_tiny_model
 
 IDS = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(0))  # (1, T)
 

@@ -20,7 +20,7 @@ from kvchat.chunks.types import ReuseMode, Role
 from kvchat.engine.engine import Engine
 from kvchat.engine.rope import KeyRotation, refusal
 from kvchat.engine.sampling import SamplingParams
-from tests.families import FAMILIES, family_template, family_tokenizer, make_family_model
+from tests.support.families import FAMILIES, family_template, family_tokenizer, make_family_model
 
 SYSTEM = "You answer briefly."
 TURNS = ("What is the capital of France?", "And of Italy?", "Thanks, bye.")

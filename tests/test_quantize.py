@@ -11,7 +11,7 @@ from torch import nn
 from kvchat.models import int4_rounding
 from kvchat.models.quantize import quantize_model
 from kvchat.models.quantized_linears import GROUP_SIZE, Int4Linear, Int8Linear
-from tests.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model
 
 LAYER_KINDS = (Int8Linear, Int4Linear)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvchat.chunks.blockmap import BlockMap, cache_map
 from kvchat.chunks.reports import AttentionReport, Comparison, FidelityReport
@@ -46,7 +46,7 @@ def show(self: Shell, arg: str) -> ChunkDetail | ChunkHeat:
     detail = self.ctx.chunk(ref)
     if not option.strip():
         return detail
-    return _heat(self.ctx, detail)
+    return _heat(_real(self), detail)
 
 
 @command("stats", "KV cache blocks, bytes and hit rate")
@@ -78,7 +78,7 @@ def blocks(self: Shell, arg: str) -> BlockMap:
     the blocks kept for the chunk itself, so a query or a user turn, held only by the live
     conversation, shows blocks here and 0 there.
     """
-    return cache_map(self.ctx)
+    return cache_map(_real(self))
 
 
 @command(
@@ -96,7 +96,7 @@ def attention(self: Shell, arg: str) -> AttentionReport:
     from kvchat.chunks.attention import attention_map
 
     with cancellable("attention"):
-        return attention_map(self.ctx, count(arg) if arg else None)
+        return attention_map(_real(self), count(arg) if arg else None)
 
 
 @command(
@@ -113,7 +113,7 @@ def compare(self: Shell, arg: str) -> Comparison:
     reference (exact if compared, else the first mode).
     Nothing is kept: no output, the live sequence unchanged.
     """
-    return compare_modes_told(self.ctx, arg, self.settings.sampling, self.notify)
+    return compare_modes_told(_real(self), arg, self.settings.sampling, self.notify)
 
 
 @command(
@@ -137,6 +137,12 @@ def verify(self: Shell, arg: str) -> FidelityReport:
     """
     with cancellable("verify"):
         return self.ctx.verify(count(arg) if arg else self.settings.reuse.verify_tokens)
+
+
+def _real(shell: Shell) -> ContextManager:
+    """The shell's manager as the real ContextManager: the views read its pool, model and tokenizer,
+    which the contract keeps out of the rest of the CLI's reach. Only these commands reach past it."""
+    return cast("ContextManager", shell.ctx)
 
 
 @contextmanager

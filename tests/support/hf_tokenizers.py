@@ -1,7 +1,7 @@
 """Real tokenizers for tests, loaded offline from installed pip packages and cached per session.
 
 Use the loaders directly, or the session fixtures after importing them into a test module:
-`from tests.hf_tokenizers import qwen3_tokenizer  # noqa: F401 (pytest fixture)`.
+`from tests.support.hf_tokenizers import qwen3_tokenizer  # noqa: F401 (pytest fixture)`.
 The tokenizers are shared by every test: don't mutate them (render another template by passing
 `chat_template=` to apply_chat_template instead).
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QWEN25_TEMPLATE = FIXTURES / "qwen2.5_chat_template.jinja"
 # Llama-style: ChatML whose first message starts with a BOS ("<|endoftext|>" stands in for it).
