@@ -152,7 +152,14 @@ def int4_reference(int4_kept: tuple[torch.Tensor, Path]) -> torch.Tensor:
     return expected
 
 
-@pytest.mark.parametrize("seed", range(6))
+def seeds(num_seeds: int, num_fast: int = 3) -> list:
+    """Seeds 0..num_seeds-1, the first `num_fast` in the fast lane and the rest in the full suite."""
+    return [
+        pytest.param(seed, marks=[] if seed < num_fast else [pytest.mark.slow]) for seed in range(num_seeds)
+    ]
+
+
+@pytest.mark.parametrize("seed", seeds(6))
 def test_damaged_kept_layers_answer_as_without_the_cache(seed, tiny_folder, int4_reference) -> None:
     damage_kept_layers(seed, tiny_folder, int4_reference)
 
@@ -202,7 +209,7 @@ def fp32_start(path: Path, progress: Notes | None = None) -> LoadedModel:
     return load_model(ModelSettings(model=str(path), dtype="fp32", device="cpu", threads=1), progress)
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", seeds(8))
 def test_a_damaged_conversion_is_converted_again_and_answers_the_same(seed: int, tiny_gguf: Path) -> None:
     expected = logits_of(fp32_start(tiny_gguf))
     rng = random.Random(seed)
