@@ -1,7 +1,7 @@
 """What the CLI may use of a ContextManager, as a Protocol: the shell holds its manager typed as
 `ContextManagerContract`, so mypy lets the CLI reach only these members. The real ContextManager
-(kvchat/chunks/context.py) implements it, and so does the tests' fake; the cache views, which read the
-real manager's pool and model, ask for the real one by name (kvchat/cli/cache_commands.py).
+(kvchat/chunks/context.py) implements it, and so does the tests' fake; only the cache views, which read
+the real manager's pool and model, take it as the real one (kvchat/cli/cache_commands.py).
 
 Nothing is imported at run time: starting the CLI loads no torch."""
 
