@@ -152,7 +152,7 @@ def int4_reference(int4_kept: tuple[torch.Tensor, Path]) -> torch.Tensor:
     return expected
 
 
-def seeds(num_seeds: int, num_fast: int = 3) -> list:
+def seeds(num_seeds: int, num_fast: int = 2) -> list:
     """Seeds 0..num_seeds-1, the first `num_fast` in the fast lane and the rest in the full suite."""
     return [
         pytest.param(seed, marks=[] if seed < num_fast else [pytest.mark.slow]) for seed in range(num_seeds)

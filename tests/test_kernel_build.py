@@ -114,6 +114,7 @@ def test_a_compile_error_is_one_line(tmp_path: Path) -> None:
     assert isinstance(reason, str) and reason.startswith("two.cpp did not compile: ") and "\n" not in reason
 
 
+@pytest.mark.slow  # two builds of the slow source
 def test_two_builds_at_once_compile_each_file_once(tmp_path: Path) -> None:
     plan = make_plan(tmp_path, source=SLOW_SOURCE)
     reports: list[list[str]] = [[], []]

@@ -113,6 +113,7 @@ def test_the_second_start_reads_the_kept_layers(tmp_path) -> None:
     assert torch.equal(logits(again.model), logits(quantized.model))
 
 
+@pytest.mark.slow  # three quantized starts
 def test_quant_cache_off_neither_reads_nor_writes(tmp_path) -> None:
     folder = saved_tiny_qwen2(tmp_path)
     kept = quantized_cache.folder()
