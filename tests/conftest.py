@@ -41,6 +41,30 @@ def on_one_then_two_threads():
     return run
 
 
+def pytest_collection_modifyitems(config, items):
+    from tests.support.real_model import unmarked_real_model_tests
+
+    unmarked = unmarked_real_model_tests(items)
+    if unmarked:
+        raise pytest.UsageError("a test of the real model must be marked slow: " + ", ".join(unmarked))
+
+
+@pytest.fixture(scope="session")
+def packaged_model_files():
+    from tests.support.real_model import packaged_files
+
+    return packaged_files()
+
+
+@pytest.fixture(autouse=True)
+def no_real_model_unless_slow(request, monkeypatch, packaged_model_files):
+    """The fast lane loads no real model: a test not marked slow is refused its weights."""
+    from tests.support.real_model import refuse_real_model
+
+    if request.node.get_closest_marker("slow") is None:
+        refuse_real_model(monkeypatch, packaged_model_files)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (packaged GGUF, converted once), fp32, with its tokenizer."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import struct
 from pathlib import Path
 
@@ -19,9 +20,9 @@ from kvchat import cache_files
 from kvchat.config import ModelSettings
 from kvchat.models import gguf, quantized_cache
 from kvchat.models.loader import LoadedModel, load_model
-from tests.hf_tokenizers import load_smollm2_tokenizer
-from tests.test_cache_files import Notes
-from tests.tiny_models import make_tiny_model
+from tests.support.hf_tokenizers import load_smollm2_tokenizer
+from tests.support.models_on_disk import Notes
+from tests.support.tiny_models import make_tiny_model
 
 IDS = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(0))  # (1, T)
 
@@ -131,15 +132,34 @@ def damage_kept_layers(seed: int, tiny_folder: Path, expected: torch.Tensor) -> 
     return what
 
 
+@pytest.fixture(scope="module")
+def int4_kept(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.Tensor, Path]:
+    """The int4 answer of a start without the cache, and the cache a start then wrote (answering the
+    same), once for the module."""
+    kept = tmp_path_factory.mktemp("quantized")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quantized_cache, "folder", lambda: kept)
+        expected = logits_of(int4_start(tiny_folder, keep=False))
+        assert torch.equal(logits_of(int4_start(tiny_folder)), expected)
+    return expected, kept
+
+
 @pytest.fixture
-def int4_reference(tiny_folder: Path) -> torch.Tensor:
-    """The int4 answer of a start without the cache; the cache is then written once."""
-    expected = logits_of(int4_start(tiny_folder, keep=False))
-    assert torch.equal(logits_of(int4_start(tiny_folder)), expected)
+def int4_reference(int4_kept: tuple[torch.Tensor, Path]) -> torch.Tensor:
+    """The int4 answer of a start without the cache, with that cache in this test's own folder."""
+    expected, kept = int4_kept
+    shutil.copytree(kept, quantized_cache.folder())
     return expected
 
 
-@pytest.mark.parametrize("seed", range(6))
+def seeds(num_seeds: int, num_fast: int = 2) -> list:
+    """Seeds 0..num_seeds-1, the first `num_fast` in the fast lane and the rest in the full suite."""
+    return [
+        pytest.param(seed, marks=[] if seed < num_fast else [pytest.mark.slow]) for seed in range(num_seeds)
+    ]
+
+
+@pytest.mark.parametrize("seed", seeds(6))
 def test_damaged_kept_layers_answer_as_without_the_cache(seed, tiny_folder, int4_reference) -> None:
     damage_kept_layers(seed, tiny_folder, int4_reference)
 
@@ -189,7 +209,7 @@ def fp32_start(path: Path, progress: Notes | None = None) -> LoadedModel:
     return load_model(ModelSettings(model=str(path), dtype="fp32", device="cpu", threads=1), progress)
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", seeds(8))
 def test_a_damaged_conversion_is_converted_again_and_answers_the_same(seed: int, tiny_gguf: Path) -> None:
     expected = logits_of(fp32_start(tiny_gguf))
     rng = random.Random(seed)

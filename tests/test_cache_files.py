@@ -13,7 +13,7 @@ import pytest
 
 from kvchat import cache_files
 from kvchat.models import gguf
-from tests.test_models import fake_conversion
+from tests.support.models_on_disk import Notes, fake_conversion
 
 
 def sealed(tmp_path: Path) -> Path:
@@ -86,17 +86,6 @@ def test_sweep_removes_what_gone_writers_left_and_keeps_a_live_ones(tmp_path: Pa
     removed = cache_files.sweep(tmp_path)
     assert sorted(removed) == sorted([f".entry.{dead_pid}-0.part", f".file.{dead_pid}-3.part", ".tmpabc123"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, ".tmpfresh", "entry"])
-
-
-class Notes:
-    def __init__(self) -> None:
-        self.notes: list[str] = []
-
-    def __call__(self, description: str, completed: float, total: float | None) -> None:
-        pass
-
-    def note(self, message: str) -> None:
-        self.notes.append(message)
 
 
 def test_a_damaged_conversion_is_converted_again_and_told(

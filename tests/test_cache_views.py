@@ -21,8 +21,8 @@ from kvchat.config import load_settings
 from kvchat.engine.block_manager import BlockManager, Sequence
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
-from tests.test_context import GREEDY, make_manager, text
-from tests.tiny_models import KINDS, make_tiny_model
+from tests.support.managers import GREEDY, make_manager, text
+from tests.support.tiny_models import KINDS, make_tiny_model
 
 VOCAB = 49152  # the SmolLM2 tokenizer's
 

@@ -9,40 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from kvchat import __version__
 from kvchat.cli import app as app_module
-from kvchat.cli.app import make_app
 from kvchat.cli.settings import setting_values
 from kvchat.cli.ui import UI
 from kvchat.errors import ModelLoadError
-from tests.fake_context import FakeContextManager
+from tests.support.cli_harness import Factory, invoke
 
 ESC = "\x1b["
-
-
-class Factory:
-    """Records the settings it was opened with and returns a fake context manager."""
-
-    def __init__(self, responses=None, error=None):
-        self.ctx = FakeContextManager(responses)
-        self.error = error
-        self.settings = None
-
-    def __call__(self, settings, progress):
-        self.settings = settings
-        if self.error:
-            raise self.error
-        if progress is not None:
-            progress("loading", 1, 1)
-        return self.ctx
-
-
-def invoke(args, stdin="", factory=None, env=None):
-    factory = factory or Factory(["Hi there."])
-    result = CliRunner().invoke(make_app(factory), args, input=stdin, env=env)
-    return result, factory
 
 
 def test_version():

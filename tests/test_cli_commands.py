@@ -8,7 +8,7 @@ import pytest
 from kvchat.chunks.types import RepairStrategy, ReuseMode
 from kvchat.cli.arguments import MAX_FILE_BYTES
 from kvchat.cli.commands import Status
-from tests.cli_harness import make_harness
+from tests.support.cli_harness import make_harness
 
 
 def test_chat_streams_the_answer_then_one_summary_line():
@@ -22,7 +22,7 @@ def test_chat_streams_the_answer_then_one_summary_line():
 
 
 def test_thinking_is_shown_on_its_own_line_or_hidden():
-    from tests.fake_context import Response
+    from tests.support.fake_context import Response
 
     h = make_harness([Response("Answer.", thinking="Let me think.")])
     h.run("q")

@@ -6,8 +6,8 @@ from rich.console import Console
 
 from kvchat.cli.commands import Status
 from kvchat.cli.ui import THEME
-from tests.cli_harness import make_harness
-from tests.fake_context import Response
+from tests.support.cli_harness import make_harness
+from tests.support.fake_context import Response
 
 ANSWER = "The Rhine rises in the Swiss Alps and flows north through Germany into the North Sea."
 

@@ -6,9 +6,7 @@ import re
 import pytest
 
 from kvchat.cli.commands import Status
-from tests.cli_harness import make_harness
-from tests.test_cli_app import Factory, invoke
-from tests.test_cli_habits import json_lines
+from tests.support.cli_harness import Factory, invoke, json_lines, make_harness
 
 # -- /retry --------------------------------------------------------------------------------------------
 

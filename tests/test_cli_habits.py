@@ -9,13 +9,7 @@ import pytest
 from kvchat.cli import app as app_module
 from kvchat.cli.repl import short_name, toolbar
 from kvchat.cli.settings import setting_values
-from tests.cli_harness import make_harness
-from tests.test_cli_app import Factory, invoke
-
-
-def json_lines(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
-
+from tests.support.cli_harness import Factory, invoke, json_lines, make_harness
 
 # -- kvchat -p -------------------------------------------------------------------------------------
 

@@ -1,20 +1,18 @@
 """The real `kvchat` command, as a user runs it: command files piped in, and a terminal."""
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 
 import pexpect
 import pytest
 
-from tests.tiny_models import make_tiny_model
+from tests.support.processes import KVCHAT, user_env
+from tests.support.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow  # kvchat in subprocesses and a pseudo-terminal, on real models
 
-KVCHAT = [sys.executable, "-m", "kvchat"]
 # Seconds after which a kvchat process is taken to hang: several times a first start with its kernel
 # build on a busy machine, so that only a hang reaches it.
 HANG = 900
@@ -31,16 +29,6 @@ def tiny_folder(tmp_path_factory):
     make_tiny_model("llama", vocab_size=49152).save_pretrained(folder)
     AutoTokenizer.from_pretrained(ensure_converted()).save_pretrained(folder)
     return folder
-
-
-def user_env(home) -> dict[str, str]:
-    """A fresh user (no config, no history) who shares this machine's converted model cache."""
-    from kvchat.models.packaged import cache_dir
-
-    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config")}
-    env["KVCHAT_CACHE_DIR"] = str(cache_dir())
-    env.pop("KVCHAT_CONFIG", None)
-    return env
 
 
 def kvchat(args, stdin: bytes, home) -> subprocess.CompletedProcess:

@@ -7,7 +7,7 @@ from prompt_toolkit.output import DummyOutput
 
 from kvchat.cli.completion import ShellCompleter
 from kvchat.cli.repl import is_fence_open, make_prompt_session, run_interactive, toolbar, unfence
-from tests.cli_harness import make_harness
+from tests.support.cli_harness import make_harness
 
 ESC_ENTER = "\x1b\r"
 CTRL_C, CTRL_D = "\x03", "\x04"

@@ -5,7 +5,7 @@ import json
 
 from kvchat.cli.commands import Status
 from kvchat.cli.script import MAX_LINE_BYTES, ScriptCommand, read_commands, run_script
-from tests.cli_harness import make_harness
+from tests.support.cli_harness import make_harness
 
 
 def commands(data: bytes) -> list[ScriptCommand]:

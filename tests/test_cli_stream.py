@@ -7,8 +7,8 @@ import pytest
 from kvchat.chunks.types import InferenceResult, ReuseMode
 from kvchat.cli.commands import Status, consume
 from kvchat.errors import KvchatError
-from tests.cli_harness import make_harness
-from tests.fake_context import Response, fake_step
+from tests.support.cli_harness import make_harness
+from tests.support.fake_context import Response, fake_step
 
 
 def interrupt_on_step(h, step_number):

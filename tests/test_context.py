@@ -7,49 +7,18 @@ import torch
 
 from kvchat.chunks.compose import RepairPolicy
 from kvchat.chunks.context import ContextManager
-from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import InferenceResult, RepairStrategy, ReuseMode, Role
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import PrefillProgress
 from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
-from tests.hf_tokenizers import load_smollm2_tokenizer
-from tests.tiny_models import make_tiny_model
-
-WORDS = "the cat sat on a mat while rain fell over quiet hills and rivers ran to the sea".split()
-GREEDY = SamplingParams(max_tokens=8)
-
-
-def text(seed: int, n: int = 12) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(n))
+from tests.support.managers import GREEDY, drain, make_manager, text, tiny_llama
 
 
 @pytest.fixture(scope="module")
 def model():
-    return make_tiny_model("llama", vocab_size=49152)
-
-
-def make_manager(model, block_size=4, kv_memory=1 << 23, mode=ReuseMode.EXACT):
-    tokenizer = load_smollm2_tokenizer()
-    engine = Engine(model, kv_memory_bytes=kv_memory, block_size=block_size, prefill_chunk=16)
-    return ContextManager(
-        engine,
-        ChatFormat(tokenizer),
-        tokenizer,
-        frozenset({2}),
-        model_id="tiny",
-        fingerprint="tiny-1",
-        mode=mode,
-    )
-
-
-def drain(stream) -> InferenceResult:
-    items = list(stream)
-    assert all(isinstance(i, GenerationStep | PrefillProgress) for i in items[:-1])
-    assert isinstance(items[-1], InferenceResult)
-    return items[-1]
+    return tiny_llama()
 
 
 def full_last_logits(model, token_ids):

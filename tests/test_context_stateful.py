@@ -13,20 +13,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvchat.chunks.context import ContextManager
-from kvchat.chunks.template import ChatFormat
 from kvchat.chunks.types import InferenceResult, ReuseMode
-from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import KvchatError
-from tests.faults import fault_at
-from tests.hf_tokenizers import load_smollm2_tokenizer
-from tests.tiny_models import make_tiny_model
+from tests.support.faults import fault_at
+from tests.support.managers import assert_refs_match, drain_maybe, small_pool_manager, small_pool_model
 
 pytestmark = pytest.mark.slow  # a long hypothesis state machine
 
-MODEL = make_tiny_model("qwen2", vocab_size=49152, seed=1)
-TOKENIZER = load_smollm2_tokenizer()
 TEXTS = st.lists(
     st.sampled_from("red green blue river stone cloud quick slow dog owl".split()), min_size=1, max_size=12
 )
@@ -36,36 +30,10 @@ FAULT_POINTS = ("start", "extend", "compute", "write_kv", "gather", "_forward", 
 FAULTS = st.sampled_from([KeyboardInterrupt, RuntimeError])
 
 
-def new_manager() -> ContextManager:
-    block_bytes = Engine(MODEL, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512).bytes_per_block
-    engine = Engine(MODEL, kv_memory_bytes=block_bytes * 96, block_size=4, prefill_chunk=8)
-    return ContextManager(engine, ChatFormat(TOKENIZER), TOKENIZER, frozenset({2}), fingerprint="tiny")
-
-
-def drain(stream) -> InferenceResult | None:
-    items = list(stream)
-    return items[-1] if items and isinstance(items[-1], InferenceResult) else None
-
-
-def assert_refs_match(cm: ContextManager) -> None:
-    """Every reference on a block is one the manager can name: no leak, no double release."""
-    blocks = cm.engine.blocks
-    blocks.check_invariants()
-    held = cm.held_blocks()
-    pinned = {b: 0 for b in held}
-    for chunk in cm.registry.chunks.values():
-        if chunk.span is not None and chunk.span.pinned:
-            for b in chunk.span.block_ids:
-                pinned[b] += 1
-    for block in blocks.blocks:
-        assert block.ref_count == held.get(block.block_id, 0), f"block {block.block_id} leaked"
-        assert block.pin_count == pinned.get(block.block_id, 0)
-
-
 class ContextMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.cm = new_manager()
+        self.cm = small_pool_manager()
 
     @rule(words=TEXTS)
     def add_context(self, words):
@@ -91,7 +59,7 @@ class ContextMachine(RuleBasedStateMachine):
     def infer(self, mode, max_tokens):
         self.cm.mode = mode
         try:
-            result = drain(self.cm.infer(SamplingParams(max_tokens=max_tokens)))
+            result = drain_maybe(self.cm.infer(SamplingParams(max_tokens=max_tokens)))
         except KvchatError:
             return  # a full cache is refused cleanly; the invariants still hold
         assert result is not None and result.output_number is not None
@@ -115,9 +83,9 @@ class ContextMachine(RuleBasedStateMachine):
         with fault_at([(cm.engine, name) for name in FAULT_POINTS], at, fault):
             try:
                 if op == "infer" and cm.query is not None:
-                    drain(cm.infer(SamplingParams(max_tokens=4)))
+                    drain_maybe(cm.infer(SamplingParams(max_tokens=4)))
                 elif op == "chat":
-                    drain(cm.chat("hello there", SamplingParams(max_tokens=4)))
+                    drain_maybe(cm.chat("hello there", SamplingParams(max_tokens=4)))
                 elif op == "verify" and cm.query is not None:
                     cm.verify(3)
                 elif op == "load":
@@ -167,7 +135,9 @@ class ContextMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.cm.query is not None)
     def extreme_sampling(self, temperature, min_p):
         try:
-            drain(self.cm.infer(SamplingParams(temperature=temperature, min_p=min_p, max_tokens=3, seed=0)))
+            drain_maybe(
+                self.cm.infer(SamplingParams(temperature=temperature, min_p=min_p, max_tokens=3, seed=0))
+            )
         except Exception:  # a failing inference (bad sampling values) must still leak nothing
             pass
 
@@ -186,7 +156,7 @@ class ContextMachine(RuleBasedStateMachine):
     def save_and_load(self):
         path = TMP / "state.safetensors"
         self.cm.save(path)
-        fresh = new_manager()
+        fresh = small_pool_manager()
         fresh.load(path)
         assert [c.chunk_id for c in fresh.context_chunks()] == [c.chunk_id for c in self.cm.context_chunks()]
         self.cm.reset()
@@ -210,7 +180,7 @@ class ContextMachine(RuleBasedStateMachine):
         tokens = list(composed.seq.token_ids)
         self.cm.engine.free(composed.seq)
         with torch.inference_mode():
-            full = MODEL(input_ids=torch.tensor([tokens])).logits[0, -1]
+            full = small_pool_model()(input_ids=torch.tensor([tokens])).logits[0, -1]
         assert (logits - full).abs().max() <= 1e-4
 
     @invariant()

@@ -18,7 +18,7 @@ from kvchat.engine.paged_attention import grouped_attention
 from kvchat.engine.sampling import SamplingParams
 from kvchat.native import kernels
 from kvchat.native.kernels import has_cpp_compiler
-from tests.tiny_models import KINDS, make_tiny_model
+from tests.support.tiny_models import KINDS, make_tiny_model
 
 
 def sdpa_reference(query, keys, values, scaling):
@@ -160,6 +160,7 @@ def test_only_exact_bf16_linears_are_packed():
     assert type(model[0]) is nn.Linear and type(model[2]) is nn.Embedding
 
 
+@pytest.mark.slow  # the real model
 def test_lean_step_gives_the_same_greedy_text_on_smollm2(smollm2):
     model, tokenizer = smollm2
     prompt = tokenizer.apply_chat_template(

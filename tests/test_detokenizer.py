@@ -5,7 +5,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 from kvchat.engine.detokenizer import StreamDetokenizer, split_think
-from tests.hf_tokenizers import load_qwen3_tokenizer
+from tests.support.hf_tokenizers import load_qwen3_tokenizer
 
 THINK_IDS = (151667, 151668)  # Qwen3 <think>, </think>
 IM_END, END_OF_TEXT = 151645, 151643

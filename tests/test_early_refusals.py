@@ -3,13 +3,20 @@ reading the context registers."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvchat.chunks.types import Role
 from kvchat.engine.engine import Engine
 from kvchat.errors import CacheFullError
-from tests.test_context import make_manager, model  # noqa: F401  (module fixture)
+from tests.support.managers import make_manager, tiny_llama
 
 
-def test_a_text_larger_than_the_budget_is_refused_after_tokenizing_about_the_budget(model):  # noqa: F811
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def test_a_text_larger_than_the_budget_is_refused_after_tokenizing_about_the_budget(model):
     block_bytes = Engine(model, kv_memory_bytes=1 << 23, block_size=4, prefill_chunk=512).bytes_per_block
     cm = make_manager(model, kv_memory=block_bytes * 16)  # 64 tokens
     tokenized: list[int] = []
@@ -33,7 +40,7 @@ def test_a_text_larger_than_the_budget_is_refused_after_tokenizing_about_the_bud
     cm.add_context("rivers run to the sea")  # what fits still goes in
 
 
-def test_chunks_lists_the_templates_default_after_clear(model):  # noqa: F811
+def test_chunks_lists_the_templates_default_after_clear(model):
     cm = make_manager(model)
     cm.set_system("be brief")
     cm.clear()  # no system prompt now: reading the context registers the template's default one

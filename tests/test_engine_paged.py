@@ -8,7 +8,7 @@ import torch
 from kvchat.engine import paged_attention
 from kvchat.engine.engine import Engine
 from kvchat.engine.paged_attention import MAX_RUNS, slot_runs
-from tests.tiny_models import KINDS, make_tiny_model
+from tests.support.tiny_models import KINDS, make_tiny_model
 
 
 @pytest.fixture(scope="module", params=KINDS)

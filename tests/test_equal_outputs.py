@@ -7,8 +7,8 @@ from kvchat.chunks.types import Role
 from kvchat.chunks.view_state import make_view_state
 from kvchat.engine.block_manager import BlockManager, Sequence
 from kvchat.engine.sampling import SamplingParams
-from tests.test_context import drain, make_manager, text
-from tests.tiny_models import make_tiny_model
+from tests.support.managers import drain, make_manager, text
+from tests.support.tiny_models import make_tiny_model
 
 
 def test_the_live_chunks_are_those_the_answer_read():

@@ -1,5 +1,5 @@
 """The family matrix: each family kvchat runs, as a tiny random model of its own transformers config with
-a real tokenizer and its real chat template (tests/families.py). For each: prompt ids equal
+a real tokenizer and its real chat template (tests/support/families.py). For each: prompt ids equal
 apply_chat_template's for a 3-turn chat with a system prompt, a /context + /query composition and a first
 message without one; fp32 greedy answers equal transformers' generate re-templating each turn; a moved
 chunk's keys equal what a full forward computes at the new positions; exact /verify is KL 0."""
@@ -20,7 +20,7 @@ from kvchat.chunks.types import ReuseMode, Role
 from kvchat.engine.engine import Engine
 from kvchat.engine.rope import KeyRotation, refusal
 from kvchat.engine.sampling import SamplingParams
-from tests.families import FAMILIES, family_template, family_tokenizer, make_family_model
+from tests.support.families import FAMILIES, family_template, family_tokenizer, make_family_model
 
 SYSTEM = "You answer briefly."
 TURNS = ("What is the capital of France?", "And of Italy?", "Thanks, bye.")
@@ -29,7 +29,18 @@ NUM_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# The fast lane leaves out the families of 128k-152k-token vocabularies, whose tokenizers and output
+# layers take most of the time (tiny Llama, Qwen2 and Qwen3 models run there in other modules); the
+# full suite runs them all.
+SLOW_FAMILIES = ("llama3", "phi4-mini", "olmo2", "qwen2", "qwen3")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_FAMILIES else []) for name in FAMILIES
+    ],
+)
 def family(request: pytest.FixtureRequest):
     name = request.param
     tokenizer = family_tokenizer(name)

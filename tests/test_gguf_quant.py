@@ -15,7 +15,7 @@ from kvchat.models import gguf_quant
 from kvchat.models.gguf_quant import GGUFInt4Layers, read_int4_blocks, unpermute_rows
 from kvchat.models.quantize import quantize_model
 from kvchat.models.quantized_linears import Int4Linear
-from tests.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model
 
 QType = gguf.GGMLQuantizationType
 Q4_0, Q4_1, Q8_0 = QType.Q4_0, QType.Q4_1, QType.Q8_0

@@ -8,7 +8,7 @@ import torch
 
 from kvchat.config import Settings, load_settings, replace_setting
 from kvchat.engine.sampling import SamplingParams, make_sampler
-from tests.test_speculative import (
+from tests.support.speculation import (
     EveryMatch,
     Scripted,
     ScriptedDrafter,

@@ -23,19 +23,23 @@ from kvchat.native.build_files import LibraryPlan
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
-# Each takes a compiler a few tenths of a second: long enough for a kill to land inside one.
-SOURCE = """#include <map>
+SOURCE = """extern "C" int {name}(int x) {{ return x + {value}; }}\n"""
+# Each takes a compiler a few tenths of a second: long enough for a kill, or a second build, to land
+# inside one.
+SLOW_SOURCE = """#include <map>
 #include <regex>
 #include <string>
 extern "C" int {name}(int x) {{ std::map<std::string, int> m{{{{"a", x}}}}; return m["a"] + {value}; }}
 """
 
 
-def make_plan(tmp_path: Path, names: tuple[str, ...] = ("one", "two", "three")) -> LibraryPlan:
+def make_plan(
+    tmp_path: Path, names: tuple[str, ...] = ("one", "two", "three"), source: str = SOURCE
+) -> LibraryPlan:
     sources = tmp_path / "src"
     sources.mkdir(exist_ok=True)
     for value, name in enumerate(names):
-        (sources / f"{name}.cpp").write_text(SOURCE.format(name=name, value=value))
+        (sources / f"{name}.cpp").write_text(source.format(name=name, value=value))
     return LibraryPlan(
         name="tiny",
         folder=str(tmp_path / "build" / "kvchat_tiny"),
@@ -111,8 +115,9 @@ def test_a_compile_error_is_one_line(tmp_path: Path) -> None:
     assert isinstance(reason, str) and reason.startswith("two.cpp did not compile: ") and "\n" not in reason
 
 
+@pytest.mark.slow  # two builds of the slow source
 def test_two_builds_at_once_compile_each_file_once(tmp_path: Path) -> None:
-    plan = make_plan(tmp_path)
+    plan = make_plan(tmp_path, source=SLOW_SOURCE)
     reports: list[list[str]] = [[], []]
     runs = [Build([plan], num_jobs=2) for _ in reports]
     for run, seen in zip(runs, reports, strict=True):
@@ -201,7 +206,7 @@ def wait_gone(text: str, timeout_s: float = 30.0) -> list[int]:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes in /proc")
 def test_a_build_killed_anywhere_leaves_no_process_and_the_next_build_finishes(tmp_path: Path) -> None:
     rng = random.Random(41)
-    plan = make_plan(tmp_path)
+    plan = make_plan(tmp_path, source=SLOW_SOURCE)
     text = json.dumps({"jobs": 2, "libraries": [plan.__dict__]})
     for attempt in range(12):
         kill_after = rng.randrange(0, 8)  # how many progress lines to let through first
@@ -236,8 +241,8 @@ def test_a_start_killed_during_the_first_build_then_a_start_that_answers(tmp_pat
     the build runs on, and the next start builds them and answers."""
     import time
 
-    from tests.test_cli_real import KVCHAT, user_env
-    from tests.test_quantized_cache import saved_tiny_qwen2
+    from tests.support.models_on_disk import saved_tiny_qwen2
+    from tests.support.processes import KVCHAT, user_env
 
     folder = saved_tiny_qwen2(tmp_path)
     env = {**user_env(tmp_path / "home"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
@@ -270,8 +275,8 @@ def test_without_a_compiler_info_says_why_what_to_install_and_the_cost(
 
 @pytest.mark.slow
 def test_without_a_compiler_a_start_shows_no_warning(tmp_path: Path) -> None:
-    from tests.test_cli_real import KVCHAT, user_env
-    from tests.test_quantized_cache import saved_tiny_qwen2
+    from tests.support.models_on_disk import saved_tiny_qwen2
+    from tests.support.processes import KVCHAT, user_env
 
     folder = saved_tiny_qwen2(tmp_path)
     env = {**user_env(tmp_path / "home"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": "no-such-c++"}

@@ -13,11 +13,9 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import CacheFullError, ChunkError, StateFileError
-from tests.hf_tokenizers import load_qwen25_tokenizer
-from tests.test_context import GREEDY, drain, make_manager, text
-from tests.test_context_stateful import assert_refs_match
-from tests.test_repair import repair
-from tests.tiny_models import make_tiny_model
+from tests.support.hf_tokenizers import load_qwen25_tokenizer
+from tests.support.managers import GREEDY, assert_refs_match, drain, make_manager, repair, text
+from tests.support.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from kvchat.cli.commands import Status
 from kvchat.cli.script import read_commands
 from kvchat.errors import ConfigError
 from kvchat.session import check_kv_memory
-from tests.cli_harness import make_harness
-from tests.fake_context import FakeContextManager
-from tests.hf_tokenizers import load_smollm2_tokenizer
+from tests.support.cli_harness import make_harness
+from tests.support.fake_context import FakeContextManager
+from tests.support.hf_tokenizers import load_smollm2_tokenizer
 
 
 @pytest.mark.parametrize(

@@ -4,12 +4,14 @@ references equal what the chunks hold, an inference works, exact mode equals a f
 at any point of a load leaves the session as it was."""
 
 import copy
+import functools
 import json
 import os
 import signal
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,8 +23,8 @@ from kvchat.chunks.context import ContextManager
 from kvchat.chunks.types import ReuseMode
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import StateFileError
-from tests.faults import fault_at
-from tests.test_context_stateful import MODEL, assert_refs_match, drain, new_manager
+from tests.support.faults import fault_at
+from tests.support.managers import assert_refs_match, drain_maybe, small_pool_manager, small_pool_model
 
 TMP = Path(tempfile.mkdtemp(prefix="kvchat-load-"))
 EXAMPLES = int(os.environ.get("KVCHAT_LOAD_EXAMPLES", 500))
@@ -31,12 +33,12 @@ FAST = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list
 
 def make_source() -> ContextManager:
     """A session whose save has a live sequence, spans in it, an own span and two outputs."""
-    cm = new_manager()
+    cm = small_pool_manager()
     moved = cm.add_context("red river stone").chunk_id
     cm.set_query("blue owl")
-    drain(cm.infer(SamplingParams(max_tokens=3)))
+    drain_maybe(cm.infer(SamplingParams(max_tokens=3)))
     cm.middle.remove(moved)  # its span stays where it was computed: saved as its own
-    drain(cm.chat("quick dog", SamplingParams(max_tokens=2)))
+    drain_maybe(cm.chat("quick dog", SamplingParams(max_tokens=2)))
     return cm
 
 
@@ -45,9 +47,12 @@ def read_save(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         return json.loads(f.metadata()["kvchat"]), {k: f.get_tensor(k) for k in f.keys()}
 
 
-SOURCE_PATH = TMP / "source.safetensors"
-make_source().save(SOURCE_PATH)
-META, TENSORS = read_save(SOURCE_PATH)
+@functools.cache
+def saved_source() -> tuple[Path, dict, dict[str, torch.Tensor]]:
+    """The source session saved (at first use, not at import): its path, metadata and tensors."""
+    path = TMP / "source.safetensors"
+    make_source().save(path)
+    return (path, *read_save(path))
 
 
 def snapshot(cm: ContextManager) -> tuple:
@@ -79,9 +84,9 @@ def assert_same(before: tuple, after: tuple) -> None:
 
 
 def make_target() -> ContextManager:
-    cm = new_manager()
+    cm = small_pool_manager()
     cm.set_query("slow cloud")
-    drain(cm.infer(SamplingParams(max_tokens=2)))
+    drain_maybe(cm.infer(SamplingParams(max_tokens=2)))
     return cm
 
 
@@ -95,7 +100,7 @@ def assert_sound(cm: ContextManager) -> None:
     tokens = list(composed.seq.token_ids)
     cm.engine.free(composed.seq)
     with torch.inference_mode():
-        full = MODEL(input_ids=torch.tensor([tokens])).logits[0, -1]
+        full = small_pool_model()(input_ids=torch.tensor([tokens])).logits[0, -1]
     assert (logits - full).abs().max() <= 1e-4
     assert cm.infer_blocking(SamplingParams(max_tokens=2)).output_number is not None
     assert_refs_match(cm)
@@ -120,7 +125,7 @@ def paths(obj, prefix=()) -> list[tuple]:
 
 @st.composite
 def damaged_meta(draw) -> dict:
-    meta = copy.deepcopy(META)
+    meta = copy.deepcopy(saved_source()[1])
     where = draw(st.sampled_from(paths(meta)[1:]))
     *parent_path, key = where
     parent = meta
@@ -147,7 +152,7 @@ def damaged_meta(draw) -> dict:
 
 @st.composite
 def damaged_tensors(draw) -> dict[str, torch.Tensor]:
-    tensors = {k: v.clone() for k, v in TENSORS.items()}
+    tensors = {k: v.clone() for k, v in saved_source()[2].items()}
     name = draw(st.sampled_from(sorted(tensors)))
     t = tensors[name]
     kind = draw(st.sampled_from(["poison", "shape", "dtype", "remove", "extra"]))
@@ -188,11 +193,26 @@ def load_and_check(path: Path) -> bool:
     return True
 
 
-@FAST
-@given(how=st.sampled_from(["meta", "tensors", "truncate"]), data=st.data())
+DAMAGE = {"how": st.sampled_from(["meta", "tensors", "truncate"]), "data": st.data()}
+
+
+@settings(FAST, max_examples=min(50, EXAMPLES))
+@given(**DAMAGE)
 def test_a_damaged_save_is_refused_unchanged_or_loads_soundly(how, data):
-    meta = data.draw(damaged_meta()) if how == "meta" else META
-    tensors = data.draw(damaged_tensors()) if how == "tensors" else TENSORS
+    refused_unchanged_or_loaded_soundly(how, data)
+
+
+@pytest.mark.slow  # the same over ten times the saves
+@FAST
+@given(**DAMAGE)
+def test_many_damaged_saves_are_refused_unchanged_or_load_soundly(how, data):
+    refused_unchanged_or_loaded_soundly(how, data)
+
+
+def refused_unchanged_or_loaded_soundly(how: str, data: st.DataObject) -> None:
+    _, meta, tensors = saved_source()
+    meta = data.draw(damaged_meta()) if how == "meta" else meta
+    tensors = data.draw(damaged_tensors()) if how == "tensors" else tensors
     path = TMP / "damaged.safetensors"
     save_file(
         {k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"kvchat": json.dumps(meta)}
@@ -205,7 +225,7 @@ def test_a_damaged_save_is_refused_unchanged_or_loads_soundly(how, data):
 
 def test_the_undamaged_save_loads_soundly():
     TARGET.clear()
-    assert load_and_check(SOURCE_PATH)
+    assert load_and_check(saved_source()[0])
 
 
 # Calls of a load that an interrupt is injected into: reading, checking and staging.
@@ -231,7 +251,7 @@ def test_an_interrupt_anywhere_in_a_load_changes_nothing(at):
     ]
     with fault_at(targets, at, KeyboardInterrupt) as counter:
         try:
-            cm.load(SOURCE_PATH)
+            cm.load(saved_source()[0])
         except KeyboardInterrupt:
             assert_same(before, snapshot(cm))
             assert_refs_match(cm)
@@ -249,6 +269,8 @@ def test_ctrl_c_during_the_swap_is_ignored(monkeypatch):
         index(seq)
 
     monkeypatch.setattr(cm.engine, "index", signalled)
-    cm.load(SOURCE_PATH)
-    assert [c.chunk_id for c in cm.registry.chunks.values()] == [c["chunk_id"] for c in META["chunks"]]
+    cm.load(saved_source()[0])
+    assert [c.chunk_id for c in cm.registry.chunks.values()] == [
+        c["chunk_id"] for c in saved_source()[1]["chunks"]
+    ]
     assert_sound(cm)

@@ -10,8 +10,8 @@ from kvchat.cli.results import HelpView, Notice
 from kvchat.cli.slash_commands import split_command
 from kvchat.config import Settings
 from kvchat.engine.block_manager import BlockManager
-from tests.test_context import GREEDY, drain, make_manager, text
-from tests.tiny_models import make_tiny_model
+from tests.support.managers import GREEDY, drain, make_manager, text
+from tests.support.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvchat.config import ModelSettings
 from kvchat.errors import ConfigError, ModelLoadError
@@ -15,6 +15,8 @@ from kvchat.models import gguf, packaged
 from kvchat.models import loader as loader_module
 from kvchat.models.loader import LoadedModel, apply_threads, choose_dtype, load_model, resolve_model
 from kvchat.models.sources import ModelSource
+from tests.support.hf_tokenizers import load_smollm2_tokenizer
+from tests.support.models_on_disk import fake_conversion
 
 CPU = torch.device("cpu")
 
@@ -26,10 +28,12 @@ def smollm2() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory, smollm2: LoadedModel) -> Path:
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer (read from the packaged GGUF: no model loaded)."""
+    tokenizer = load_smollm2_tokenizer()
     folder = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(
-        vocab_size=len(smollm2.tokenizer),
+        vocab_size=len(tokenizer),
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=2,
@@ -41,7 +45,7 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory, smollm2: LoadedModel) 
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = [0, 5]
     model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(packaged.converted_dir()).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -111,7 +115,8 @@ def test_uncached_hub_model_without_network_is_one_clear_error(
         load_model(ModelSettings(model="kvchat-tests/not-a-cached-model", device="cpu"))
 
 
-def test_packaged_smollm2_converts_once_and_chats(smollm2: LoadedModel) -> None:
+@pytest.mark.slow  # the real model
+def test_packaged_smollm2_converts_once_and_chats(smollm2: LoadedModel, tiny_folder: Path) -> None:
     assert packaged.is_converted(packaged.converted_dir())
     assert smollm2.model_id == packaged.HUB_ID
     assert not smollm2.model.training
@@ -125,6 +130,8 @@ def test_packaged_smollm2_converts_once_and_chats(smollm2: LoadedModel) -> None:
     input_ids = encoded["input_ids"]  # (1, T)
     output = smollm2.model.generate(input_ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tokenizer.decode(output[0, input_ids.shape[1] :])
+    tiny = load_model(ModelSettings(model=str(tiny_folder), dtype="fp32", device="cpu", threads=1))
+    assert smollm2.fingerprint != tiny.fingerprint
 
 
 def test_local_folder_loads_with_eos_union_and_dtype(tiny_folder: Path) -> None:
@@ -164,14 +171,13 @@ def test_a_quantized_load_reports_loading_then_quantizing(tiny_folder: Path) -> 
     assert (loading, 1, 1) in calls  # loading is complete before quantizing starts
 
 
-def test_fingerprint_changes_with_the_model(tiny_folder: Path, tmp_path: Path, smollm2: LoadedModel) -> None:
+def test_fingerprint_changes_with_the_model(tiny_folder: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(tiny_folder, copy)
     original = load_model(ModelSettings(model=str(tiny_folder), dtype="fp32", device="cpu", threads=1))
     assert load_model(ModelSettings(model=str(copy), dtype="fp32", device="cpu", threads=1)).fingerprint != (
         original.fingerprint
     )
-    assert smollm2.fingerprint != original.fingerprint
 
 
 def test_choose_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,20 +216,6 @@ def test_physical_cores_count_hyperthreads_once(monkeypatch: pytest.MonkeyPatch)
     assert device_module.num_physical_cores() == 2
     monkeypatch.setattr(device_module.os, "sched_getaffinity", lambda pid: {0})
     assert device_module.num_physical_cores() == 1
-
-
-def fake_conversion(monkeypatch: pytest.MonkeyPatch, conversions: list[Path]) -> None:
-    """Conversions that write a small file of each required name, and are counted."""
-
-    def fake_save(
-        model: object, tokenizer: object, out_dir: Path, name: str, progress: object = None
-    ) -> None:
-        conversions.append(out_dir)
-        for required in gguf.REQUIRED_FILES:
-            (out_dir / required).write_text(f"{required} of {name}")
-
-    monkeypatch.setattr(gguf, "read_gguf", lambda path, progress=None: (None, None))
-    monkeypatch.setattr(gguf, "save_converted", fake_save)
 
 
 def test_conversion_is_atomic_and_runs_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

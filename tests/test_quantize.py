@@ -12,7 +12,7 @@ from kvchat.models import int4_rounding
 from kvchat.models.quantize import QUANTIZE_MODES, quantize_model
 from kvchat.models.quantized_linears import GROUP_SIZE, Int4Linear, Int8Linear
 from kvchat.settings_schema import all_settings
-from tests.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model
 
 LAYER_KINDS = (Int8Linear, Int4Linear)
 

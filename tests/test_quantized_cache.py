@@ -13,8 +13,8 @@ from kvchat.config import ModelSettings
 from kvchat.models import quantized_cache
 from kvchat.models.loader import load_model
 from kvchat.models.quantize import quantize_model
-from tests.hf_tokenizers import load_smollm2_tokenizer
-from tests.tiny_models import make_tiny_model
+from tests.support.models_on_disk import Notes, saved_tiny_qwen2
+from tests.support.tiny_models import make_tiny_model
 
 IDS = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))  # (1, T)
 
@@ -62,19 +62,6 @@ def kept(mode: str = "int4") -> Path:
     return path
 
 
-class Notes:
-    """A progress callback that keeps the notes it is told."""
-
-    def __init__(self) -> None:
-        self.notes: list[str] = []
-
-    def __call__(self, description: str, completed: float, total: float | None) -> None:
-        pass
-
-    def note(self, message: str) -> None:
-        self.notes.append(message)
-
-
 def test_a_damaged_file_or_one_of_another_shape_or_code_is_removed_and_told(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -110,15 +97,6 @@ def test_a_failed_write_leaves_no_file_and_is_told(monkeypatch: pytest.MonkeyPat
     assert told.notes == [f"{expected}; quantizing again next start"]
 
 
-def saved_tiny_qwen2(tmp_path: Path) -> Path:
-    """A tiny Qwen2 model folder with SmolLM2's tokenizer, as kvchat --model loads one."""
-    tokenizer = load_smollm2_tokenizer()
-    folder = tmp_path / "tiny-qwen2"
-    make_tiny_model("qwen2", vocab_size=len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_the_second_start_reads_the_kept_layers(tmp_path) -> None:
     folder = saved_tiny_qwen2(tmp_path)
     settings = ModelSettings(model=str(folder), dtype="bf16", device="cpu", threads=1, quantize="int4")
@@ -135,6 +113,7 @@ def test_the_second_start_reads_the_kept_layers(tmp_path) -> None:
     assert torch.equal(logits(again.model), logits(quantized.model))
 
 
+@pytest.mark.slow  # three quantized starts
 def test_quant_cache_off_neither_reads_nor_writes(tmp_path) -> None:
     folder = saved_tiny_qwen2(tmp_path)
     kept = quantized_cache.folder()

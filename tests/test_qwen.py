@@ -9,13 +9,13 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.forward_cache import cache_argument
 from kvchat.engine.records import GenerationStep
 from kvchat.engine.sampling import SamplingParams
-from tests.hf_tokenizers import (
+from tests.support.hf_tokenizers import (
     BOS_CHATML_TEMPLATE,
     TemplateOverride,
     load_qwen3_tokenizer,
     load_qwen25_tokenizer,
 )
-from tests.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model
 
 THINK, END_THINK, IM_END = 151667, 151668, 151645
 

@@ -1,7 +1,6 @@
 """Repair by deviation (selective recompute): at share 1 it is exact, at share 0 it is reposition, its
 KV is never indexed as exact, and an interrupted recompute gives every block back."""
 
-import dataclasses
 import random
 
 import pytest
@@ -15,10 +14,9 @@ from kvchat.chunks.types import RepairStrategy, ReuseMode
 from kvchat.engine import blend
 from kvchat.engine.engine import Engine
 from kvchat.engine.sampling import SamplingParams
-from kvchat.session import repair_policy
-from kvchat.settings_schema import ReuseSettings
-from tests.hf_tokenizers import load_smollm2_tokenizer
-from tests.tiny_models import make_tiny_model
+from tests.support.hf_tokenizers import load_smollm2_tokenizer
+from tests.support.managers import repair
+from tests.support.tiny_models import make_tiny_model
 
 WORDS = "the cat sat on a mat while rain fell over quiet hills and rivers ran to the sea".split()
 ONE = SamplingParams(max_tokens=1)
@@ -27,11 +25,6 @@ ONE = SamplingParams(max_tokens=1)
 def text(seed: int, n: int) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-def repair(**changes) -> RepairPolicy:
-    """The policy the default settings make, with `changes`."""
-    return dataclasses.replace(repair_policy(ReuseSettings()), **changes)
 
 
 def deviation(share: float, taper: float = 0.0) -> RepairPolicy:

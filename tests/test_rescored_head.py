@@ -13,7 +13,7 @@ from kvchat.models.quantize import quantize_model
 from kvchat.models.quantized_linears import Int4Linear, Int8Linear
 from kvchat.models.rescored_head import RescoredHead
 from kvchat.native import kernels
-from tests.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model
 
 VOCAB, HIDDEN = 2048, 64
 PATHS = ["kvchat", "torch"]  # kvchat::rescore_top, or torch's ops where it is not built

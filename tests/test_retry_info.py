@@ -13,9 +13,9 @@ from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import CacheFullError, ChunkError
 from kvchat.native import kernels
 from kvchat.session import kv_memory_bytes
-from tests.faults import fault_at
-from tests.test_context import drain, make_manager
-from tests.tiny_models import make_tiny_model
+from tests.support.faults import fault_at
+from tests.support.managers import drain, make_manager
+from tests.support.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=6)
 

@@ -17,7 +17,7 @@ from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import NO_SPECULATION, Speculation
 from kvchat.errors import DraftModelError
 from kvchat.session import check_draft_vocabulary
-from tests.test_speculative import block_state, repeating_prompt, run, varied_model
+from tests.support.speculation import block_state, repeating_prompt, run, varied_model
 
 
 @pytest.mark.parametrize("draft_seed", [0, 7])  # the target itself (all accepted), another model
@@ -150,7 +150,7 @@ def test_speculation_settings_are_checked_and_set_live():
     from kvchat.cli.commands import Status
     from kvchat.config import load_settings, replace_setting
     from kvchat.errors import ConfigError
-    from tests.cli_harness import make_harness
+    from tests.support.cli_harness import make_harness
 
     assert (
         load_settings(None, {"decode": {"speculate": "prompt-lookup", "draft_max": 4}}).decode.draft_max == 4

@@ -12,11 +12,16 @@ from safetensors.torch import save_file
 from kvchat.chunks import save_target
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import ChunkError, StateFileError
-from tests.test_context import drain, make_manager, model  # noqa: F401  (module fixture)
+from tests.support.managers import drain, make_manager, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
 
 
 @pytest.fixture
-def saved(model, tmp_path):  # noqa: F811
+def saved(model, tmp_path):
     cm = make_manager(model)
     cm.set_query("hello there")
     drain(cm.infer(SamplingParams(max_tokens=3)))
@@ -67,7 +72,7 @@ def test_save_to_a_path_that_cannot_take_it_is_one_clear_error(saved, tmp_path):
         (lambda m: m.update(context=[]), "context: Input should be an object"),
     ],
 )
-def test_damaged_metadata_is_refused_and_changes_nothing(saved, model, change, message):  # noqa: F811
+def test_damaged_metadata_is_refused_and_changes_nothing(saved, model, change, message):
     _, path = saved
     rewrite_meta(path, change)
     other = make_manager(model)
@@ -78,7 +83,7 @@ def test_damaged_metadata_is_refused_and_changes_nothing(saved, model, change, m
     assert other.chunk(other.query).info.text == "keep me"
 
 
-def test_a_truncated_output_says_so_and_keeps_it_through_save_and_load(model, tmp_path):  # noqa: F811
+def test_a_truncated_output_says_so_and_keeps_it_through_save_and_load(model, tmp_path):
     cm = make_manager(model)
     cm.set_query("count to ten")
     result = drain(cm.infer(SamplingParams(max_tokens=2)))
@@ -177,7 +182,7 @@ def test_reset_holds_no_block_and_keeps_exact_kv_for_reuse(saved):
     assert again.reused_tokens > 0 and again.token_ids == first.token_ids
 
 
-def test_a_chat_answer_is_not_used_twice_and_is_deleted_with_its_question(model):  # noqa: F811
+def test_a_chat_answer_is_not_used_twice_and_is_deleted_with_its_question(model):
     cm = make_manager(model)
     drain(cm.chat("hello there", SamplingParams(max_tokens=2)))
     drain(cm.chat("and again", SamplingParams(max_tokens=2)))
@@ -192,7 +197,7 @@ def test_a_chat_answer_is_not_used_twice_and_is_deleted_with_its_question(model)
 
 
 @pytest.mark.parametrize("finish_reason", ["stop", "stop_string", "length", "cancelled", None])
-def test_every_way_an_output_ends_loads(saved, model, finish_reason):  # noqa: F811
+def test_every_way_an_output_ends_loads(saved, model, finish_reason):
     _, path = saved
 
     def end_outputs(meta):
@@ -206,7 +211,7 @@ def test_every_way_an_output_ends_loads(saved, model, finish_reason):  # noqa: F
     assert [o.finish_reason for o in fresh.outputs()] == [finish_reason]
 
 
-def test_a_file_of_another_model_says_so_before_any_schema_fault(saved, model):  # noqa: F811
+def test_a_file_of_another_model_says_so_before_any_schema_fault(saved, model):
     _, path = saved
 
     def other_model(meta):
@@ -232,7 +237,7 @@ def test_a_file_of_another_model_says_so_before_any_schema_fault(saved, model): 
         ),
     ],
 )
-def test_a_refusal_says_in_words_what_differs(saved, model, change, message):  # noqa: F811
+def test_a_refusal_says_in_words_what_differs(saved, model, change, message):
     _, path = saved
     rewrite_meta(path, lambda meta: meta["layout"].update(change))
     with pytest.raises(StateFileError, match=message):

@@ -9,7 +9,7 @@ import pytest
 from kvchat.chunks.rendering import Part
 from kvchat.chunks.template import CHATML_TEMPLATE, ChatFormat
 from kvchat.errors import ChunkError
-from tests.hf_tokenizers import (
+from tests.support.hf_tokenizers import (
     BOS_CHATML_TEMPLATE,
     TemplateOverride,
     load_qwen3_tokenizer,

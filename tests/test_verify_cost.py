@@ -8,7 +8,7 @@ from kvchat.engine.bf16_linears import TiledLinear
 from kvchat.engine.engine import Engine
 from kvchat.engine.speculate import paying_ngram
 from kvchat.native import kernels
-from tests.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model
 
 
 @pytest.mark.parametrize("tiled", [True, False])

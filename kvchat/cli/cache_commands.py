@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvchat.chunks.blockmap import BlockMap, cache_map
 from kvchat.chunks.reports import AttentionReport, Comparison, FidelityReport
@@ -45,7 +45,7 @@ def show(shell: ShellState, arg: str) -> ChunkDetail | ChunkHeat:
     detail = shell.ctx.chunk(ref)
     if not option.strip():
         return detail
-    return _heat(shell.ctx, detail)
+    return _heat(_real(shell), detail)
 
 
 @command("stats", "KV cache blocks, bytes and hit rate")
@@ -77,7 +77,7 @@ def blocks(shell: ShellState, arg: str) -> BlockMap:
     the blocks kept for the chunk itself, so a query or a user turn, held only by the live
     conversation, shows blocks here and 0 there.
     """
-    return cache_map(shell.ctx)
+    return cache_map(_real(shell))
 
 
 @command(
@@ -95,7 +95,7 @@ def attention(shell: ShellState, arg: str) -> AttentionReport:
     from kvchat.chunks.attention import attention_map
 
     with cancellable("attention"):
-        return attention_map(shell.ctx, count(arg) if arg else None)
+        return attention_map(_real(shell), count(arg) if arg else None)
 
 
 @command(
@@ -112,7 +112,7 @@ def compare(shell: ShellState, arg: str) -> Comparison:
     reference (exact if compared, else the first mode).
     Nothing is kept: no output, the live sequence unchanged.
     """
-    return compare_modes_told(shell.ctx, arg, shell.settings.sampling, shell.notify)
+    return compare_modes_told(_real(shell), arg, shell.settings.sampling, shell.notify)
 
 
 @command(
@@ -136,6 +136,12 @@ def verify(shell: ShellState, arg: str) -> FidelityReport:
     """
     with cancellable("verify"):
         return shell.ctx.verify(count(arg) if arg else shell.settings.reuse.verify_tokens)
+
+
+def _real(shell: ShellState) -> ContextManager:
+    """The shell's manager as the real ContextManager: the views read its pool, model and tokenizer,
+    which the contract keeps out of the rest of the CLI's reach. Only these commands reach past it."""
+    return cast("ContextManager", shell.ctx)
 
 
 @contextmanager

@@ -16,6 +16,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvchat.chunks.contract import ContextManagerContract
 from kvchat.chunks.types import InferenceResult, InferenceStream
 from kvchat.cli import cache_commands, file_commands, habit_commands, setting_commands
 from kvchat.cli.arguments import count, file_argument, read_text
@@ -26,7 +27,6 @@ from kvchat.engine.records import GenerationStep, PrefillProgress
 from kvchat.errors import CommandError, KvchatError
 
 if TYPE_CHECKING:
-    from kvchat.chunks.context import ContextManager
     from kvchat.cli.ui import UI
     from kvchat.config import Settings
 
@@ -37,7 +37,11 @@ COMMAND_MODULES = (cache_commands, setting_commands, file_commands, habit_comman
 class Shell:
     """What the REPL and the script runner drive: `execute` one line, get a record back."""
 
-    def __init__(self, ctx: ContextManager, settings: Settings, config_file: Path | None = None) -> None:
+    ctx: ContextManagerContract  # all the CLI may use of its manager; the cache views ask for the real one
+
+    def __init__(
+        self, ctx: ContextManagerContract, settings: Settings, config_file: Path | None = None
+    ) -> None:
         self.ctx = ctx
         self._settings = settings  # its reuse.mode is the one the session started with
         self.started_model = settings.model  # what /info describes; /set model.* waits for a restart

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvchat.errors import CommandError
 
 if TYPE_CHECKING:
-    from kvchat.chunks.context import ContextManager
+    from kvchat.chunks.contract import ContextManagerContract
     from kvchat.config import ModelSettings, Settings
 
 PREFIX = "/"
@@ -70,7 +70,7 @@ class Command:
 class ShellState(Protocol):
     """What a command module's handler reads and sets of the shell that runs it."""
 
-    ctx: ContextManager
+    ctx: ContextManagerContract  # all the CLI may use of its manager; the cache views ask for the real one
     settings: Settings  # /set replaces it
     started_model: ModelSettings  # what /info describes; /set model.* waits for a restart
     config_file: Path  # where /set says a setting can be kept

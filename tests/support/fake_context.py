@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvchat.chunks.compose import NO_REPAIR
+from kvchat.chunks.contract import ContextManagerContract
 from kvchat.chunks.reports import FidelityReport
 from kvchat.chunks.types import (
     CacheStats,
@@ -28,7 +29,6 @@ from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import NO_SPECULATION
 from kvchat.errors import ChunkError, StateFileError
 from kvchat.models.info import ModelInfo
-from tests.context_contract import ContextManagerContract
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

@@ -1,18 +1,23 @@
-"""What the CLI uses of a ContextManager: the real one and tests/fake_context.py's both implement it
-(tests/test_fake_context.py compares their signatures with it; mypy checks the fake's types)."""
+"""What the CLI may use of a ContextManager, as a Protocol: the shell holds its manager typed as
+`ContextManagerContract`, so mypy lets the CLI reach only these members. The real ContextManager
+(kvchat/chunks/context.py) implements it, and so does the tests' fake; only the cache views, which read
+the real manager's pool and model, take it as the real one (kvchat/cli/cache_commands.py).
+
+Nothing is imported at run time: starting the CLI loads no torch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from kvchat.chunks.compose import RepairPolicy
-from kvchat.chunks.reports import FidelityReport
-from kvchat.chunks.types import CacheStats, ChunkDetail, ChunkInfo, ReuseMode
-from kvchat.engine.sampling import SamplingParams
-from kvchat.engine.speculate import Speculation
-from kvchat.models.info import ModelInfo
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from kvchat.chunks.compose import RepairPolicy
+    from kvchat.chunks.reports import FidelityReport
+    from kvchat.chunks.types import CacheStats, ChunkDetail, ChunkInfo, InferenceStream, ReuseMode
+    from kvchat.engine.sampling import SamplingParams
+    from kvchat.engine.speculate import Speculation
+    from kvchat.models.info import ModelInfo
 
 
 class ContextManagerContract(Protocol):
@@ -49,11 +54,11 @@ class ContextManagerContract(Protocol):
 
     def delete_output(self, number: int) -> ChunkInfo: ...
 
-    def infer(self, params: SamplingParams) -> Iterator[object]: ...
+    def infer(self, params: SamplingParams) -> InferenceStream: ...
 
-    def chat(self, text: str, params: SamplingParams) -> Iterator[object]: ...
+    def chat(self, text: str, params: SamplingParams) -> InferenceStream: ...
 
-    def retry(self, params: SamplingParams) -> Iterator[object]: ...
+    def retry(self, params: SamplingParams) -> InferenceStream: ...
 
     def verify(self, num_tokens: int) -> FidelityReport: ...
 

@@ -1,15 +1,20 @@
 """A shell over a FakeContextManager and a UI writing to a string, for CLI transcript tests:
-`h = make_harness(["Hi!"])`, then `h.run("/infer")` and `h.take()` for what it printed."""
+`h = make_harness(["Hi!"])`, then `h.run("/infer")` and `h.take()` for what it printed; and the
+`kvchat` command run in-process on a fake session (`invoke(["-p", "Hi"])`)."""
 
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
 
+from typer.testing import CliRunner
+
+from kvchat.cli.app import make_app
 from kvchat.cli.commands import Shell, Status, run_line
 from kvchat.cli.ui import UI
 from kvchat.config import load_settings
-from tests.fake_context import FakeContextManager, Response
+from tests.support.fake_context import FakeContextManager, Response
 
 
 @dataclass
@@ -51,3 +56,30 @@ def make_harness(
     # Text transcripts read errors in place; a JSON stream is stdout alone (errors go to stderr too).
     ui = UI(color=False, json_lines=json_lines, file=out, err_file=io.StringIO() if json_lines else out)
     return Harness(ctx, Shell(ctx, load_settings(None, overrides or {})), ui, out)
+
+
+class Factory:
+    """Records the settings it was opened with and returns a fake context manager."""
+
+    def __init__(self, responses=None, error=None):
+        self.ctx = FakeContextManager(responses)
+        self.error = error
+        self.settings = None
+
+    def __call__(self, settings, progress):
+        self.settings = settings
+        if self.error:
+            raise self.error
+        if progress is not None:
+            progress("loading", 1, 1)
+        return self.ctx
+
+
+def invoke(args, stdin="", factory=None, env=None):
+    factory = factory or Factory(["Hi there."])
+    result = CliRunner().invoke(make_app(factory), args, input=stdin, env=env)
+    return result, factory
+
+
+def json_lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]

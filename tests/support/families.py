@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import transformers
 
-from tests.hf_tokenizers import (
+from tests.support.hf_tokenizers import (
     FIXTURES,
     load_llama3_tokenizer,
     load_qwen3_tokenizer,
