@@ -264,7 +264,14 @@ def test_without_a_compiler_info_says_why_what_to_install_and_the_cost(
     assert line.startswith("not built: no C++ compiler found (c++); install a C++ compiler (Debian/Ubuntu: ")
     assert line.endswith(f"({kernels.COST_WITHOUT})") and "\n" not in line
     monkeypatch.setattr(kernels, "_build", lambda: (True, None))
-    assert kernels.status() == "kvchat's, built for this CPU"
+    monkeypatch.setattr(kernels, "tier", lambda: "avx2")
+    monkeypatch.setattr(kernels, "_load", lambda name: (True, None))
+    assert kernels.status() == "kvchat's, built for this CPU (avx2 tier)"
+    monkeypatch.setattr(kernels, "_load", lambda name: (False, "the build failed: x.cpp: error"))
+    failed = "kvchat's, built for this CPU; its avx2 linears are not (the build failed: x.cpp: error)"
+    assert kernels.status() == failed
+    monkeypatch.setattr(kernels, "tier", lambda: "portable")
+    assert kernels.status() == "kvchat's, built for this CPU (portable tier: linears run torch's)"
 
 
 @pytest.mark.slow

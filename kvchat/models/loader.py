@@ -80,7 +80,7 @@ def prepare_model(settings: ModelSettings, progress: ProgressCallback | None = N
     model converts and loads), convert a GGUF on first use, and load the tokenizer."""
     source = resolve_model(settings.model)
     if choose_device(settings.device).type == "cpu":
-        kernels.start_build(progress, quantized=settings.quantize != "none")
+        kernels.start_build(progress)
     told = False
     if source.kind == "gguf" and not settings.chat_template and _converts_first(Path(source.location)):
         told = not has_chat_template(Path(source.location))

@@ -22,6 +22,23 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
+
+namespace kvchat_tier {
+
+// Whether the linear kernels keep to their batch-invariant paths (no AMX tiles for several rows): on
+// unless the engine was started without batch invariance (kvchat::set_batch_invariant).
+std::atomic<bool> invariant{true};
+
+bool batch_invariant() { return invariant.load(std::memory_order_relaxed); }
+
+void set_batch_invariant(bool on) { invariant.store(on, std::memory_order_relaxed); }
+
+}  // namespace kvchat_tier
+
+// no tensor to dispatch on: every backend
+TORCH_LIBRARY_FRAGMENT(kvchat, m) { m.def("set_batch_invariant(bool on) -> ()", &kvchat_tier::set_batch_invariant); }
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -37,10 +54,6 @@
 #endif
 
 #ifdef KVCHAT_AMX
-namespace kvchat_tier {
-bool batch_invariant();  // decode_layer.cpp
-}  // namespace kvchat_tier
-
 // What the AMX paths of this file and quantized_linear.cpp share (declared there too).
 namespace kvchat_amx {
 

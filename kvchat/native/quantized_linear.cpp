@@ -43,7 +43,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define KVCHAT_AMX 1
 namespace kvchat_tier {
-bool batch_invariant();  // decode_layer.cpp
+bool batch_invariant();  // bf16_linear.cpp
 }  // namespace kvchat_tier
 
 // bf16_linear.cpp's AMX tile work, which this file's prefill path shares
