@@ -32,8 +32,8 @@ NEEDS = {
 }
 FLAGS = {
     PORTABLE: ("-O3",),
-    AVX2: ("-O3", "-mavx2", "-mfma", "-mf16c"),
-    AVX512: ("-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+    AVX2: ("-O3", "-mtune=native", "-mavx2", "-mfma", "-mf16c"),
+    AVX512: ("-O3", "-mtune=native", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
              "-mavx512bf16", "-mavx512vnni"),
     NEON: ("-O3",),
 }
