@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from kvchat.engine.bf16_linears import TiledLinear, can_tile, fuse_tiled, tile_linears_
-from kvchat.models.weight_layout import tile_bf16, untile_bf16
+from kvchat.linears.bf16_linears import TiledLinear, can_tile, fuse_tiled, tile_linears_
+from kvchat.linears.weight_layout import tile_bf16, untile_bf16
 from kvchat.native import kernels
 from kvchat.native.kernels import has_cpp_compiler
 

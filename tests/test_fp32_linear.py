@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from kvchat.engine.bf16_linears import TiledLinear, fuse_tiled
-from kvchat.models.weight_layout import tile_fp32, untile_fp32
+from kvchat.linears.bf16_linears import TiledLinear, fuse_tiled
+from kvchat.linears.weight_layout import tile_fp32, untile_fp32
 from kvchat.native import kernels
 from kvchat.native.kernels import has_cpp_compiler
 

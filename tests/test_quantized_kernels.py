@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvchat.models import int4_rounding
-from kvchat.models.int4_rounding import GroupScales, NestedScales
-from kvchat.models.quantized_linears import GROUP_SIZE, Int4Linear, Int8Linear, fuse_quantized
+from kvchat.linears import int4_rounding
+from kvchat.linears.int4_rounding import GroupScales, NestedScales
+from kvchat.linears.quantized_linears import GROUP_SIZE, Int4Linear, Int8Linear, fuse_quantized
 from kvchat.native import kernels
 from kvchat.native.kernels import has_cpp_compiler
 

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.engine.bf16_linears import TiledLinear, fuse_tiled
-from kvchat.models.quantized_linears import Int4Linear, Int8Linear, fuse_quantized
-from kvchat.models.rescored_head import RescoredHead
+from kvchat.linears.bf16_linears import TiledLinear, fuse_tiled
+from kvchat.linears.quantized_linears import Int4Linear, Int8Linear, fuse_quantized
+from kvchat.linears.rescored_head import RescoredHead
 from kvchat.native import kernels
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3"})

@@ -92,9 +92,9 @@ def describe_quantization(model: Any) -> str:
     RescoredHead."""
     import torch
 
-    from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
-    from kvchat.models.quantized_linears import Int4Linear, Int8Linear
-    from kvchat.models.rescored_head import RescoredHead
+    from kvchat.linears.bf16_linears import PackedLinear, TiledLinear
+    from kvchat.linears.quantized_linears import Int4Linear, Int8Linear
+    from kvchat.linears.rescored_head import RescoredHead
 
     layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
     if not layers:

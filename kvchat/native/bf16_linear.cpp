@@ -1,12 +1,12 @@
 // The bf16 linear layer, registered for CPU as kvchat::bf16_linear (built by kernels.py) where the CPU
-// has AVX-512 BF16; elsewhere kvchat runs oneDNN's packed kernel (engine/bf16_linears.py).
+// has AVX-512 BF16; elsewhere kvchat runs oneDNN's packed kernel (linears/bf16_linears.py).
 //
 // A decode token's linears read every weight once, and nothing else: their pace is the machine's read
 // bandwidth. torch's bf16 F.linear reads a one-row product's weights at 5-11 GB/s here, and oneDNN's
 // on a packed weight at 6-17 GB/s; this kernel streams a whole SmolLM2 token's weights at 21-24 GB/s
 // (one thread), and is as fast as oneDNN's GEMM at 512 rows.
 //
-// The weight (written by models/weight_layout.py) is in tiles of 16 rows, each a run of 64-byte
+// The weight (written by linears/weight_layout.py) is in tiles of 16 rows, each a run of 64-byte
 // vdpbf16ps operands: operand p holds inputs 2p and 2p + 1 of the tile's 16 rows (row r's pair in
 // bytes 4r..4r+3). Each operand is multiplied by the input's pair broadcast: the products are exact,
 // summed in fp32, the bias added, and the sum rounded to bf16 once, as oneDNN's kernel does. Given a

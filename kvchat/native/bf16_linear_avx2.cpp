@@ -1,5 +1,5 @@
 // The bf16 linear layer for the avx2 tier (kernels.py builds it with -mavx2 -mfma), registered as
-// kvchat::bf16_linear, on bf16_linear.cpp's tiles (models/weight_layout.py: tiles (N/16, K/2, 32),
+// kvchat::bf16_linear, on bf16_linear.cpp's tiles (linears/weight_layout.py: tiles (N/16, K/2, 32),
 // operand p holding inputs 2p and 2p + 1 of the tile's 16 rows, row r's pair in bytes 4r..4r+3).
 //
 // Without vdpbf16ps, each operand's pairs are split into fp32 (a bf16 value is fp32's upper half: the

@@ -264,7 +264,7 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& keys, const
 //   kvchat::int4_linear;
 //   uint8 codes with bf16 scales (N,): kvchat::int8_linear;
 //   a plain weight (N, K) of x's dtype, b None: at::linear.
-// The quantized kernels' fp32 output gets the bias, then x's dtype, as models/quantized_linears.py does.
+// The quantized kernels' fp32 output gets the bias, then x's dtype, as linears/quantized_linears.py does.
 // Returns residual + linear(x) where a residual is given, each rounded to x's dtype.
 at::Tensor project(const at::Tensor& x, const at::Tensor& a, const Optional& b, const Optional& bias,
                    const Optional& residual = std::nullopt) {

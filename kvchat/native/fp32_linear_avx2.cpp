@@ -1,6 +1,6 @@
 // The fp32 linear layer for the avx2 tier (kernels.py builds it with -mavx2 -mfma), registered as
 // kvchat::fp32_linear: fp32_linear.cpp's arithmetic on 8-float registers, on the same tiles
-// (models/weight_layout.py: tiles (N/16, K, 16), operand k holding input k's weight for the tile's 16
+// (linears/weight_layout.py: tiles (N/16, K, 16), operand k holding input k's weight for the tile's 16
 // rows).
 //
 // Each output is the same chain as fp32_linear.cpp's: fused multiply-adds over each 64 inputs in

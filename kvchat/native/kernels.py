@@ -7,14 +7,14 @@
   engine/decode_step.py uses them; and `set_batch_invariant`, whether the linear kernels keep to
   their batch-invariant paths (`set_batch_invariant` below);
 - quantized_linear.cpp: int4 and int8 linear layers at the machine's read bandwidth, on CPUs with
-  AVX-512 VNNI (`int4_linear`, `int8_linear`; models/quantized_linears.py uses them);
+  AVX-512 VNNI (`int4_linear`, `int8_linear`; linears/quantized_linears.py uses them);
 - bf16_linear.cpp: the bf16 linear layer at the machine's read bandwidth, on CPUs with AVX-512 BF16,
   several rows (prefill, speculation's drafts) on AMX's tiles where the CPU has them and batch
-  invariance is off (`bf16_linear`; engine/bf16_linears.py's TiledLinear uses it);
+  invariance is off (`bf16_linear`; linears/bf16_linears.py's TiledLinear uses it);
 - fp32_linear.cpp: the fp32 linear layer, one order of sums for any number of rows, on CPUs with
   AVX-512 (`fp32_linear`; TiledLinear over fp32 tiles uses it);
 - rescore.cpp: the highest logits of a rescored output layer computed again from the exact weight
-  (`rescore_top`; models/rescored_head.py uses it).
+  (`rescore_top`; linears/rescored_head.py uses it).
 
 They are compiled, once, with the machine's C++ compiler into two libraries for the CPU's tier
 (kvchat/native/tiers.py): the first three sources, plain C++, make the one every start loads (compiled

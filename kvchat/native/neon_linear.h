@@ -2,7 +2,7 @@
 // kvchat's ops, and tests/native/neon_check.cpp checks it against a float64 reference under qemu-user.
 //
 // Each function is one tile of 16 output rows against B input rows, on the tiles the other tiers read
-// (models/weight_layout.py, models/quantized_linears.py), with their orders of sums: fp32 chains fused
+// (linears/weight_layout.py, linears/quantized_linears.py), with their orders of sums: fp32 chains fused
 // multiply-adds over each 64 inputs; bf16 adds each pair's odd product, then its even one, to one chain
 // and rounds the sum (plus the bias) to bf16 once; int8 and int4 sum each group's integer products
 // exactly in int32 (the input as 256 code + residue in int16, quantize_rows), then scale them in fp32.

@@ -21,10 +21,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvchat.models import int4_rounding
-from kvchat.models import weight_layout as layout
-from kvchat.models.int4_rounding import GroupScales, NestedScales
-from kvchat.models.weight_layout import GROUP_SIZE, TILE_ROWS
+from kvchat.linears import int4_rounding
+from kvchat.linears import weight_layout as layout
+from kvchat.linears.int4_rounding import GroupScales, NestedScales
+from kvchat.linears.weight_layout import GROUP_SIZE, TILE_ROWS
 from kvchat.native import kernels
 
 KERNEL_DTYPE = torch.bfloat16

@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvchat.models import weight_layout as layout
-from kvchat.models.weight_layout import TILE_ROWS
+from kvchat.linears import weight_layout as layout
+from kvchat.linears.weight_layout import TILE_ROWS
 from kvchat.native import kernels
 
-# kvchat's kernel for a tiled weight of each dtype, and the layout it reads (models/weight_layout.py)
+# kvchat's kernel for a tiled weight of each dtype, and the layout it reads (linears/weight_layout.py)
 KERNELS = {torch.bfloat16: kernels.bf16_linear, torch.float32: kernels.fp32_linear}
 LAYOUTS = {torch.bfloat16: layout.tile_bf16, torch.float32: layout.tile_fp32}
 
