@@ -187,7 +187,8 @@ class LeanDecodeStep:
         self.num_heads = model.config.num_attention_heads
         self.has_qk_norm = hasattr(first, "q_norm")
         param = next(model.parameters())
-        native = kernels.built() and param.device.type == "cpu" and param.dtype in NATIVE_DTYPES
+        on_cpu = param.device.type == "cpu" and param.dtype in NATIVE_DTYPES
+        native = on_cpu and kernels.decoder_layers() is not None
         silu = getattr(model.config, "hidden_act", None) == "silu"
         self.parts = layer_parts(self.base.layers, silu, param.dtype) if native else None
         self.rotations = RotationTable(self.base) if RotationTable.takes(self.base) else None
@@ -255,8 +256,9 @@ def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
     weight = norm.weight
     native = x.dtype == weight.dtype and x.dtype in NATIVE_DTYPES and x.device.type == "cpu"
-    if native and not torch.compiler.is_compiling() and kernels.built():
-        return torch.ops.kvchat.rms_norm(x, weight, norm.variance_epsilon)
+    op = kernels.rms_norm() if native and not torch.compiler.is_compiling() else None
+    if op is not None:
+        return op(x, weight, norm.variance_epsilon)
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon)
     return weight * normed.to(x.dtype)
 

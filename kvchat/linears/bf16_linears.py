@@ -21,6 +21,8 @@ there were two or three; the layers keep views of its tiles, so the weights are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -85,10 +87,7 @@ class TiledLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.tiles.dtype)  # (N, in)
-        if self.tiles.dtype == torch.bfloat16:
-            out = torch.ops.kvchat.bf16_linear(rows, self.tiles, self.bias)  # (N, out)
-        else:
-            out = torch.ops.kvchat.fp32_linear(rows, self.tiles, self.bias)
+        out = _kernel(self.tiles.dtype)(rows, self.tiles, self.bias)  # (N, out)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -152,3 +151,9 @@ def _replace(model: nn.Module, wanted, replacement) -> int:
     for parent, name, child in targets:
         setattr(parent, name, replacement(child))
     return len(targets)
+
+
+def _kernel(dtype: torch.dtype) -> Callable:
+    op = KERNELS[dtype]()
+    assert op is not None, "a TiledLinear is made where its kernel is built (can_tile)"
+    return op

@@ -162,7 +162,8 @@ def load_model(
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
     report(progress, description, 1, 1)  # quantizing, a stage of its own, comes after
-    if device.type == "cpu" and not kernels.built():  # before quantizing: layers take kvchat's layout
+    # before quantizing: layers take kvchat's layout
+    if device.type == "cpu" and kernels.build_error() is not None:
         note = kernels.failure_note()  # where its kernels are built
         if note is not None:
             tell(progress, note)

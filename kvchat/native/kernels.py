@@ -165,7 +165,26 @@ def set_batch_invariant(on: bool) -> None:
 
 def rescore_top() -> Callable | None:
     """`kvchat::rescore_top`, or None where the kernels are not built."""
-    return torch.ops.kvchat.rescore_top if built() else None
+    return _core_op("rescore_top")
+
+
+def rms_norm() -> Callable | None:
+    """`kvchat::rms_norm`, or None where the kernels are not built."""
+    return _core_op("rms_norm")
+
+
+def paged_attention() -> Callable | None:
+    """`kvchat::paged_attention`, or None where the kernels are not built."""
+    return _core_op("paged_attention")
+
+
+def decoder_layers() -> Callable | None:
+    """`kvchat::decoder_layers`, or None where the kernels are not built."""
+    return _core_op("decoder_layers")
+
+
+def _core_op(name: str) -> Callable | None:
+    return getattr(torch.ops.kvchat, name) if built() else None
 
 
 def _linear_op(name: str) -> Callable | None:
