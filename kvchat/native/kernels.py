@@ -1,20 +1,20 @@
-"""Builds and registers kvchat's C++ kernels (`torch.ops.kvchat`):
+"""Builds and registers kvchat's C++ kernels (`torch.ops.kvchat`), and gives each op or None (the
+one seam the engine and the linear layers ask; none of them checks a build). Every tier builds:
 - paged_decode.cpp: attention over the paged pool that reads each past row once in place
   (`paged_attention`, `paged_attention_rows`; engine/native_attention.py and the lean decode step
   use them);
 - decode_layer.cpp: a decoder layer's small steps between its products, one op each (`rms_norm`,
   `rope_write`, `silu_mul`), and every decoder layer of a model in one (`decoder_layers`);
-  engine/decode_step.py uses them; and `set_batch_invariant`, whether the linear kernels keep to
-  their batch-invariant paths (`set_batch_invariant` below);
-- quantized_linear.cpp: int4 and int8 linear layers at the machine's read bandwidth, on CPUs with
-  AVX-512 VNNI (`int4_linear`, `int8_linear`; linears/quantized_linears.py uses them);
-- bf16_linear.cpp: the bf16 linear layer at the machine's read bandwidth, on CPUs with AVX-512 BF16,
-  several rows (prefill, speculation's drafts) on AMX's tiles where the CPU has them and batch
-  invariance is off (`bf16_linear`; linears/bf16_linears.py's TiledLinear uses it);
-- fp32_linear.cpp: the fp32 linear layer, one order of sums for any number of rows, on CPUs with
-  AVX-512 (`fp32_linear`; TiledLinear over fp32 tiles uses it);
+  engine/decode_step.py uses them;
 - rescore.cpp: the highest logits of a rescored output layer computed again from the exact weight
   (`rescore_top`; linears/rescored_head.py uses it).
+And each tier its linear layers (`bf16_linear`, `fp32_linear`, `int8_linear`, `int4_linear`; the
+layers of kvchat/linears use them), at the machine's read bandwidth for one row of input, one order
+of sums for any number of rows:
+- avx512: bf16_linear.cpp (AVX-512 BF16; several rows on AMX's tiles where the CPU has them and batch
+  invariance is off, `set_batch_invariant`), fp32_linear.cpp, quantized_linear.cpp (AVX-512 VNNI);
+- avx2: the *_avx2.cpp files (AVX2, FMA), on the same tiles;
+- neon: linear_neon.cpp over neon_linear.h (Arm64), on the same tiles.
 
 They are compiled, once, with the machine's C++ compiler into two libraries for the CPU's tier
 (kvchat/native/tiers.py): the first three sources, plain C++, make the one every start loads (compiled
