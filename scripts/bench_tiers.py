@@ -4,6 +4,13 @@ main, say) and llama.cpp's `llama-bench` built for AVX2 from its source distribu
     python scripts/bench_tiers.py --variants main=../kvchat-main avx512=.@avx512 avx2=.@avx2 \\
         portable=.@portable --llama-bench /path/to/avx2-build/bin/llama-bench --rounds 3
 
+llama.cpp for AVX2 (a bench-only step, never CI), from llama-cpp-python's source distribution:
+
+    pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-*.tar.gz
+    cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B avx2-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_FMA=ON -DGGML_F16C=ON \
+        -DLLAMA_CURL=OFF && ninja -C avx2-build llama-bench
+
 A variant is LABEL=CHECKOUT[@TIER]: a fresh process with that checkout's kvchat on its path and
 KVCHAT_CPU_TIER set to TIER (none: the highest the CPU runs). Each process loads the packaged
 SmolLM2-135M in each kind (bf16, then `--quantize`'s mode), one thread, and measures greedy decode
