@@ -16,7 +16,9 @@ from kvchat.native import kernels
 pytestmark = [
     pytest.mark.slow,
     # identical needs batch-invariant linears: kvchat's (the portable tier's are torch's)
-    pytest.mark.skipif(not kernels.linears_built(), reason=f"kvchat's linear kernels ({kernels.tier()} tier)"),
+    pytest.mark.skipif(
+        not kernels.linears_built(), reason=f"kvchat's linear kernels ({kernels.tier()} tier)"
+    ),
 ]
 
 WORDS = (
