@@ -50,8 +50,10 @@ def core_library(tier: str) -> Library:
 
 def linear_library(tier: str) -> Library | None:
     """The tier's linear kernels; None for the portable tier (torch's run instead)."""
-    sources = tiers.SOURCES.get(tier)
-    return Library(f"linears_{tier}", sources, tiers.flags(tier)) if sources else None
+    sources, flags = tiers.SOURCES.get(tier), tiers.flags(tier)
+    # with AMX's flags in a folder of its own: a cache shared with a CPU without them keeps both
+    name = f"linears_{tier}" + ("_amx" if set(tiers.AMX_FLAGS) <= set(flags) else "")
+    return Library(name, sources, flags) if sources else None
 
 
 SOURCES = CORE_SOURCES + tuple(source for tier in tiers.TIERS for source in tiers.SOURCES.get(tier, ()))
