@@ -89,7 +89,8 @@ def main() -> None:
                 if label == "llama" and kind not in LLAMA_TYPES:
                     continue
                 runs[kind, label].append(runners[label](kind))
-                print(f"round {number + 1}: {label} {kind} {runs[kind, label][-1]}", file=sys.stderr, flush=True)
+                told = f"round {number + 1}: {label} {kind} {runs[kind, label][-1]}"
+                print(told, file=sys.stderr, flush=True)
     labels = list(runners)
     header = f"ratios to {baseline} (median of {args.rounds} rounds)"
     print(f"| kind | measure | {' | '.join(labels)} | {header} |")
