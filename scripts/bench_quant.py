@@ -35,14 +35,14 @@ from bench_dtype import TEXT as RHINE
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
-from kvchat.models import int4_rounding
+from kvchat.linears import int4_rounding
+from kvchat.linears.bf16_linears import PackedLinear, TiledLinear
+from kvchat.linears.quantized_linears import Int4Linear, Int8Linear
+from kvchat.linears.rescored_head import RescoredHead
 from kvchat.models.gguf_quant import GGUFInt4Layers
 from kvchat.models.packaged import ensure_converted, packaged_gguf
 from kvchat.models.progress import quiet_transformers
 from kvchat.models.quantize import quantize_model
-from kvchat.models.quantized_linears import Int4Linear, Int8Linear
-from kvchat.models.rescored_head import RescoredHead
 
 TEXT = RHINE + (
     " Further south, the river forms the border between Germany and France for almost two hundred "

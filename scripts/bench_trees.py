@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-MEASURES = ("decode@50", "decode@2000", "prefill@50", "prefill@2000")
+MEASURES = ("decode@50", "decode@2000", "decode@4000", "prefill@50", "prefill@2000")
 
 
 def worker(kind: str, measures: list[str], tokens: int, repeats: int) -> dict[str, float]:

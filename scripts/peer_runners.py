@@ -13,13 +13,13 @@ from bench_common import DTYPES, QWEN25_3B
 from peer_gguf import BIG_SEED, weight_bytes
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from kvchat.engine.bf16_linears import PackedLinear
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationStep, generate
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.speculate import Speculation
-from kvchat.models.rescored_head import RescoredHead
+from kvchat.linears.bf16_linears import PackedLinear
+from kvchat.linears.rescored_head import RescoredHead
 from kvchat.settings_schema import DecodeSettings
 
 

@@ -14,7 +14,8 @@ from kvchat.native import kernels
 from tests.support.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(
-    not kernels.built(), reason=f"kvchat's kernels are not built: {kernels.build_error()}"
+    not kernels.linears_built(),
+    reason=f"kvchat's linear kernels are not built ({kernels.tier()} tier): {kernels.build_error()}",
 )
 
 NUM_TOKENS = 600

@@ -20,8 +20,8 @@ from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.records import GenerationStep, SamplingParams
+from kvchat.linears.quantized_linears import Int4Linear, Int8Linear
 from kvchat.models.quantize import quantize_model
-from kvchat.models.quantized_linears import Int4Linear, Int8Linear
 from tests.support.hf_tokenizers import load_qwen25_tokenizer
 from tests.support.speculation import EveryMatch, repeating_prompt, varied_model
 from tests.support.tiny_models import KINDS, make_tiny_model

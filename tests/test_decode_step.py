@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.engine.bf16_linears import PackedLinear, TiledLinear, can_pack, can_tile, pack_linears_
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step, rms_norm, rope
 from kvchat.engine.detokenizer import StreamDetokenizer
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.paged_attention import grouped_attention
 from kvchat.engine.sampling import SamplingParams
+from kvchat.linears.bf16_linears import PackedLinear, TiledLinear, can_pack, can_tile, pack_linears_
 from kvchat.native import kernels
 from kvchat.native.kernels import has_cpp_compiler
 from tests.support.tiny_models import KINDS, make_tiny_model

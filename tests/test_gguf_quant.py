@@ -11,10 +11,10 @@ import torch
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from kvchat.errors import ModelLoadError
+from kvchat.linears.quantized_linears import Int4Linear
 from kvchat.models import gguf_quant
 from kvchat.models.gguf_quant import GGUFInt4Layers, read_int4_blocks, unpermute_rows
 from kvchat.models.quantize import quantize_model
-from kvchat.models.quantized_linears import Int4Linear
 from tests.support.tiny_models import make_tiny_model
 
 QType = gguf.GGMLQuantizationType

@@ -270,7 +270,14 @@ def test_without_a_compiler_info_says_why_what_to_install_and_the_cost(
     assert line.startswith("not built: no C++ compiler found (c++); install a C++ compiler (Debian/Ubuntu: ")
     assert line.endswith(f"({kernels.COST_WITHOUT})") and "\n" not in line
     monkeypatch.setattr(kernels, "_build", lambda: (True, None))
-    assert kernels.status() == "kvchat's, built for this CPU"
+    monkeypatch.setattr(kernels, "tier", lambda: "avx2")
+    monkeypatch.setattr(kernels, "_load", lambda name: (True, None))
+    assert kernels.status() == "kvchat's, built for this CPU (avx2 tier)"
+    monkeypatch.setattr(kernels, "_load", lambda name: (False, "the build failed: x.cpp: error"))
+    failed = "kvchat's, built for this CPU; its avx2 linears are not (the build failed: x.cpp: error)"
+    assert kernels.status() == failed
+    monkeypatch.setattr(kernels, "tier", lambda: "portable")
+    assert kernels.status() == "kvchat's, built for this CPU (portable tier: linears run torch's)"
 
 
 @pytest.mark.slow
@@ -284,7 +291,7 @@ def test_without_a_compiler_a_start_shows_no_warning(tmp_path: Path) -> None:
     done = subprocess.run(args, input="/info\nhi\n", env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == []  # no torch warning, no build line
-    assert re.search(r"kernels +not built: no C\+\+ compiler found \(no-such-c\+\+\); install", done.stdout)
+    assert re.search(r"\nkernels +not built: no C\+\+ compiler found \(no-such-c\+\+\); install", done.stdout)
     assert not (tmp_path / "ext").exists()
 
 

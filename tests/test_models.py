@@ -187,7 +187,10 @@ def test_choose_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: True)
     assert choose_dtype("auto", CPU) == torch.bfloat16
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(device_module, "cpu_bf16_kernels", lambda: False)
     assert choose_dtype("auto", CPU) == torch.float32
+    monkeypatch.setattr(device_module, "cpu_bf16_kernels", lambda: True)  # the avx2 tier's bf16 kernel
+    assert choose_dtype("auto", CPU) == torch.bfloat16
     with pytest.raises(ConfigError, match="int8"):
         choose_dtype("int8", CPU)
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from kvchat.models import int4_rounding
+from kvchat.linears import int4_rounding
+from kvchat.linears.quantized_linears import GROUP_SIZE, Int4Linear, Int8Linear
 from kvchat.models.quantize import QUANTIZE_MODES, quantize_model
-from kvchat.models.quantized_linears import GROUP_SIZE, Int4Linear, Int8Linear
 from kvchat.settings_schema import all_settings
 from tests.support.tiny_models import make_tiny_model
 
@@ -252,7 +252,7 @@ def test_a_torch_without_the_kernels_is_refused(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_info_says_how_the_weights_are_stored_and_whose_kernels_run_them() -> None:
-    from kvchat.engine.bf16_linears import PackedLinear, tile_linears_
+    from kvchat.linears.bf16_linears import PackedLinear, tile_linears_
     from kvchat.models.info import describe_quantization
     from kvchat.native import kernels
 
@@ -281,7 +281,7 @@ def test_info_says_how_the_weights_are_stored_and_whose_kernels_run_them() -> No
 
 
 def test_nested_scales_are_for_kvchats_kernel_and_groups_of_32_only() -> None:
-    from kvchat.models.int4_rounding import NestedScales
+    from kvchat.linears.int4_rounding import NestedScales
 
     def nested(groups: int) -> NestedScales:
         return NestedScales(

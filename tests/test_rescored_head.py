@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvchat.linears.quantized_linears import Int4Linear, Int8Linear
+from kvchat.linears.rescored_head import RescoredHead
 from kvchat.models import quantized_cache
 from kvchat.models.quantize import quantize_model
-from kvchat.models.quantized_linears import Int4Linear, Int8Linear
-from kvchat.models.rescored_head import RescoredHead
 from kvchat.native import kernels
 from tests.support.tiny_models import make_tiny_model
 

@@ -4,9 +4,9 @@ prompt-lookup match that pays for it."""
 import pytest
 import torch
 
-from kvchat.engine.bf16_linears import TiledLinear
 from kvchat.engine.engine import Engine
 from kvchat.engine.speculate import paying_ngram
+from kvchat.linears.bf16_linears import TiledLinear
 from kvchat.native import kernels
 from tests.support.tiny_models import make_tiny_model
 

@@ -42,6 +42,8 @@ def info(shell: ShellState, arg: str) -> ModelInfo:
       decode          how single tokens run: lean step or module forward; "attention by gather" where
                       kvchat's attention kernel could not be built, and why
       kernels         kvchat's C++ kernels: built for this CPU, or why not, what to install, what it costs
+      cpu tier        the kernels' instruction set: avx512, avx2, neon, or portable (linears on torch's);
+                      the highest the CPU runs unless KVCHAT_CPU_TIER forces a lower one
       batch-invariant whether a token's logits are the same bits however it is computed (alone, in a
                       prefill chunk, among speculation's drafts, after a cached prefix), so that exact
                       reuse, /retry, /load and speculation give a fresh run's answer; if not, why

@@ -241,6 +241,8 @@ def info_table(info: ModelInfo) -> RenderableType:
     table.add_row("decode", info.decode)
     if info.kernels:
         table.add_row("kernels", info.kernels)
+    if info.cpu_tier:
+        table.add_row("cpu tier", info.cpu_tier)
     table.add_row("batch-invariant", "yes" if info.batch_variance is None else f"no: {info.batch_variance}")
     context = f"{info.context_length:,} tokens" if info.context_length else "not stated"
     table.add_row("context length", context)

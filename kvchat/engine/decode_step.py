@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.engine.bf16_linears import TiledLinear, fuse_tiled
-from kvchat.models.quantized_linears import Int4Linear, Int8Linear, fuse_quantized
-from kvchat.models.rescored_head import RescoredHead
+from kvchat.linears.bf16_linears import TiledLinear, fuse_tiled
+from kvchat.linears.quantized_linears import Int4Linear, Int8Linear, fuse_quantized
+from kvchat.linears.rescored_head import RescoredHead
 from kvchat.native import kernels
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
@@ -188,7 +188,8 @@ class LeanDecodeStep:
         self.num_heads = model.config.num_attention_heads
         self.has_qk_norm = hasattr(first, "q_norm")
         param = next(model.parameters())
-        native = kernels.built() and param.device.type == "cpu" and param.dtype in NATIVE_DTYPES
+        on_cpu = param.device.type == "cpu" and param.dtype in NATIVE_DTYPES
+        native = on_cpu and kernels.decoder_layers() is not None
         self.native = native  # kvchat's ops run the norms (and, with `parts`, whole layers)
         silu = getattr(model.config, "hidden_act", None) == "silu"
         self.parts = layer_parts(self.base.layers, silu, param.dtype) if native else None
@@ -256,8 +257,9 @@ def rms_norm(norm, x: torch.Tensor, native: bool) -> torch.Tensor:
     if type(norm).__name__ not in RMS_NORMS:
         return norm(x)
     weight = norm.weight
-    if native and x.dtype == weight.dtype and x.dtype in NATIVE_DTYPES:
-        return torch.ops.kvchat.rms_norm(x, weight, norm.variance_epsilon)
+    op = kernels.rms_norm() if native and x.dtype == weight.dtype and x.dtype in NATIVE_DTYPES else None
+    if op is not None:
+        return op(x, weight, norm.variance_epsilon)
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon)
     return weight * normed.to(x.dtype)
 

@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from kvchat.engine import native_attention
-from kvchat.engine.bf16_linears import TiledLinear, pack_linears_, tile_linears_
 from kvchat.engine.block_manager import ROOT_HASH, BlockManager, Sequence, chain_hash
 from kvchat.engine.costs import VERIFY_COSTS
 from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.forward_cache import ForwardCache, cache_argument
 from kvchat.engine.paged_attention import KVPool, PagedKV
 from kvchat.errors import CacheFullError
-from kvchat.models.quantized_linears import Int4Linear, Int8Linear
+from kvchat.linears.bf16_linears import TiledLinear, pack_linears_, tile_linears_
+from kvchat.linears.quantized_linears import Int4Linear, Int8Linear
 from kvchat.native import kernels
 
 

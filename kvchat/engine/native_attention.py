@@ -21,7 +21,7 @@ DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 def paged_attention() -> Callable | None:
     """The few-tokens op, or None where the kernels cannot be built (see `build_error`)."""
-    return torch.ops.kvchat.paged_attention if kernels.built() else None
+    return kernels.paged_attention()
 
 
 def build_error() -> str | None:

@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from kvchat.native import kernels
+
 MAX_RUNS = 16  # past this many runs, the slots are gathered one by one
 VIEWS_FROM = 1024  # positions from which runs are read in place where the matmul reads views
 VIEW_DTYPES = frozenset({torch.float32})  # torch 2.13 CPU bmm: an fp32 view is read in place, bf16 copied
@@ -189,7 +191,9 @@ class PagedKV:
         and `eps`), each layer's new K/V written to the pool at `slots`: hidden (q, d) -> (q, d), the
         rotation cos and signed sin (q, D) as decode_step.rope takes them. Needs `in_place`."""
         pool, (cos, signed_sin) = self.pool, rotation
-        return torch.ops.kvchat.decoder_layers(
+        op = kernels.decoder_layers()
+        assert op is not None, "decoder_layers runs where the kernels are built (decode_step.LeanStep)"
+        return op(
             hidden,
             parts,
             eps,

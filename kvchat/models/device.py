@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -36,9 +37,11 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype:
     """The weights dtype for `name` (auto|bf16|fp32|fp16) on `device`.
 
     auto is bf16 where the hardware computes it natively (CUDA with bf16, a CPU with AVX512_BF16 or
-    AMX), else fp32. On the packaged SmolLM2 bf16 scores the same perplexity as fp32 and prefills ~2.5x
-    faster (scripts/bench_dtype.py). fp16 on a CPU is slow: only an explicit
-    request gets it.
+    AMX) or kvchat's kernels run bf16 weights at the memory's pace without it (the avx2 tier: its bf16
+    kernel read a one-row product's weights at ~3.5x the GB/s of its fp32 kernel, and they are half
+    the bytes; 4096x4096, one thread, a Zen 4 forced to avx2), else fp32. On the packaged SmolLM2
+    bf16 scores the same perplexity as fp32 and prefills ~2.5x faster (scripts/bench_dtype.py). fp16
+    on a CPU is slow: only an explicit request gets it.
     """
     if name in DTYPES:
         return DTYPES[name]
@@ -46,7 +49,7 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ConfigError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    if device.type == "cpu" and cpu_has_native_bf16():
+    if device.type == "cpu" and (cpu_has_native_bf16() or cpu_bf16_kernels()):
         return torch.bfloat16
     return torch.float32
 
@@ -55,6 +58,15 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype:
 def cpu_has_native_bf16() -> bool:
     """True when the CPU has bf16 instructions (torch's capability string stops at "AVX512")."""
     return any(flag in _cpu_flags() for flag in _CPU_BF16_FLAGS)
+
+
+def cpu_bf16_kernels() -> bool:
+    """Whether kvchat's kernels of this CPU's tier (kvchat/native/tiers.py) run bf16 weights without
+    bf16 instructions: the avx2 tier's, where a C++ compiler can build them."""
+    from kvchat.native import tiers
+
+    compiler = os.environ.get("CXX") or "c++"
+    return tiers.chosen() == tiers.AVX2 and shutil.which(compiler) is not None
 
 
 def describe_runtime(model_id: str, dtype: torch.dtype, device: torch.device) -> dict[str, str]:

@@ -23,8 +23,8 @@ from torch import nn
 
 from kvchat import cache_files
 from kvchat.errors import ModelLoadError
-from kvchat.models.int4_rounding import GroupScales
-from kvchat.models.quantized_linears import GROUP_SIZE, Int4Linear
+from kvchat.linears.int4_rounding import GroupScales
+from kvchat.linears.quantized_linears import GROUP_SIZE, Int4Linear
 
 # Bytes of one 32-weight block: fp16 d [, fp16 m], then 16 bytes of two codes each.
 _BLOCK_BYTES = {gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20}

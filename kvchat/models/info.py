@@ -41,6 +41,7 @@ class ModelInfo:
     decode: str = "module forward"  # how single tokens decode: lean step, module forward
     reuse: str = "exact, reposition, repair"  # the reuse modes the model runs, and why not the others
     kernels: str = ""  # kvchat's C++ kernels: built, or why not and what to install
+    cpu_tier: str = ""  # the tier of kernels in use (portable, avx2, avx512, neon), and why that one
     # why a token's logits may depend on what is computed with it; None: batch-invariant
     batch_variance: str | None = "not known"
 
@@ -59,7 +60,7 @@ def model_info(
     import torch
 
     from kvchat.models.device import DTYPE_NAMES
-    from kvchat.native import kernels
+    from kvchat.native import kernels, tiers
 
     param = next(model.parameters())
     config = model.config
@@ -79,6 +80,7 @@ def model_info(
         threads=torch.get_num_threads(),
         quantization=describe_quantization(model),
         kernels=kernels.status() if param.device.type == "cpu" else f"for CPUs, not used on {param.device}",
+        cpu_tier=tiers.describe() if param.device.type == "cpu" else "",
     )
 
 
@@ -90,9 +92,9 @@ def describe_quantization(model: Any) -> str:
     RescoredHead."""
     import torch
 
-    from kvchat.engine.bf16_linears import PackedLinear, TiledLinear
-    from kvchat.models.quantized_linears import Int4Linear, Int8Linear
-    from kvchat.models.rescored_head import RescoredHead
+    from kvchat.linears.bf16_linears import PackedLinear, TiledLinear
+    from kvchat.linears.quantized_linears import Int4Linear, Int8Linear
+    from kvchat.linears.rescored_head import RescoredHead
 
     layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
     if not layers:

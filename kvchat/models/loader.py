@@ -99,7 +99,7 @@ def prepare_model(settings: ModelChoice, progress: ProgressCallback | None = Non
     model converts and loads), convert a GGUF on first use, and load the tokenizer."""
     source = resolve_model(settings.model)
     if choose_device(settings.device).type == "cpu":
-        kernels.start_build(progress, quantized=settings.quantize != "none")
+        kernels.start_build(progress)
     told = False
     if source.kind == "gguf" and not settings.chat_template and _converts_first(Path(source.location)):
         told = not has_chat_template(Path(source.location))
@@ -181,7 +181,8 @@ def load_model(
         raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
     model.eval()
     report(progress, description, 1, 1)  # quantizing, a stage of its own, comes after
-    if device.type == "cpu" and not kernels.built():  # before quantizing: layers take kvchat's layout
+    # before quantizing: layers take kvchat's layout
+    if device.type == "cpu" and kernels.build_error() is not None:
         note = kernels.failure_note()  # where its kernels are built
         if note is not None:
             tell(progress, note)

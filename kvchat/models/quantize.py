@@ -1,5 +1,5 @@
 """Weight-only quantization of a model's linear layers: each nn.Linear replaced by an int8 or int4 layer
-(models/quantized_linears.py), or taken from a GGUF's own 4-bit values.
+(linears/quantized_linears.py), or taken from a GGUF's own 4-bit values.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelLoadError
-from kvchat.models.quantized_linears import INT4_GROUP_SIZES, Int4Linear, Int8Linear
-from kvchat.models.rescored_head import RescoredHead
+from kvchat.linears.quantized_linears import INT4_GROUP_SIZES, Int4Linear, Int8Linear
+from kvchat.linears.rescored_head import RescoredHead
 
 # The int4 modes' inputs per scale and zero: 32 as GGUF's Q4_0/Q4_1 (5 bits a weight), or 128 (4.25).
 INT4_GROUPS = {"int4": 32, "int4-g128": 128}

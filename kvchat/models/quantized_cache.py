@@ -30,13 +30,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from kvchat import cache_files
-from kvchat.models import gguf_quant, int4_rounding, quantize, quantized_linears, rescored_head, weight_layout
+from kvchat.linears import int4_rounding, quantized_linears, rescored_head, weight_layout
+from kvchat.linears.quantized_linears import Int4Linear, Int8Linear, rebuilt
+from kvchat.linears.rescored_head import RescoredHead
+from kvchat.models import gguf_quant, quantize
 from kvchat.models.gguf import cache_dir
 from kvchat.models.progress import ProgressCallback, tell
 from kvchat.models.quantize import QuantizeReport
-from kvchat.models.quantized_linears import Int4Linear, Int8Linear, rebuilt
 from kvchat.models.quantized_schema import Int4Spec, KeptLayers, KeptLayersError, check_tensors, parse_kept
-from kvchat.models.rescored_head import RescoredHead
 from kvchat.native import kernels
 
 LAYERS = "layers.safetensors"

@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 Kernel = Literal["kvchat", "torch"]
 Mode = Literal["int8", "int4", "int4-g128"]
-TILE_ROWS = 16  # the rows of a tile of kvchat's layouts (models/weight_layout.py)
+TILE_ROWS = 16  # the rows of a tile of kvchat's layouts (linears/weight_layout.py)
 NESTED_HEAD_BYTES = 64  # a nested tile's bf16 row scales and lows
-GROUP_SIZES = (32, 64, 128)  # models/quantized_linears.py's INT4_GROUP_SIZES
+GROUP_SIZES = (32, 64, 128)  # linears/quantized_linears.py's INT4_GROUP_SIZES
 
 
 class KeptLayersError(ValueError):

@@ -1,12 +1,12 @@
 // The bf16 linear layer, registered for CPU as kvchat::bf16_linear (built by kernels.py) where the CPU
-// has AVX-512 BF16; elsewhere kvchat runs oneDNN's packed kernel (engine/bf16_linears.py).
+// has AVX-512 BF16; elsewhere kvchat runs oneDNN's packed kernel (linears/bf16_linears.py).
 //
 // A decode token's linears read every weight once, and nothing else: their pace is the machine's read
 // bandwidth. torch's bf16 F.linear reads a one-row product's weights at 5-11 GB/s here, and oneDNN's
 // on a packed weight at 6-17 GB/s; this kernel streams a whole SmolLM2 token's weights at 21-24 GB/s
 // (one thread), and is as fast as oneDNN's GEMM at 512 rows.
 //
-// The weight (written by models/weight_layout.py) is in tiles of 16 rows, each a run of 64-byte
+// The weight (written by linears/weight_layout.py) is in tiles of 16 rows, each a run of 64-byte
 // vdpbf16ps operands: operand p holds inputs 2p and 2p + 1 of the tile's 16 rows (row r's pair in
 // bytes 4r..4r+3). Each operand is multiplied by the input's pair broadcast: the products are exact,
 // summed in fp32, the bias added, and the sum rounded to bf16 once, as oneDNN's kernel does. Given a
@@ -21,6 +21,23 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <atomic>
+
+namespace kvchat_tier {
+
+// Whether the linear kernels keep to their batch-invariant paths (no AMX tiles for several rows): on
+// unless the engine was started without batch invariance (kvchat::set_batch_invariant).
+std::atomic<bool> invariant{true};
+
+bool batch_invariant() { return invariant.load(std::memory_order_relaxed); }
+
+void set_batch_invariant(bool on) { invariant.store(on, std::memory_order_relaxed); }
+
+}  // namespace kvchat_tier
+
+// no tensor to dispatch on: every backend
+TORCH_LIBRARY_FRAGMENT(kvchat, m) { m.def("set_batch_invariant(bool on) -> ()", &kvchat_tier::set_batch_invariant); }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -37,10 +54,6 @@
 #endif
 
 #ifdef KVCHAT_AMX
-namespace kvchat_tier {
-bool batch_invariant();  // decode_layer.cpp
-}  // namespace kvchat_tier
-
 // What the AMX paths of this file and quantized_linear.cpp share (declared there too).
 namespace kvchat_amx {
 

@@ -7,9 +7,10 @@ done. `wait()` gives each library's checked file, or why there is none, in one l
 by Ctrl-C stops its compilers; one whose kvchat was killed stops by itself (runner.py).
 
 Each library is built in a folder of its own, under `$TORCH_EXTENSIONS_DIR` where set, else under
-kvchat's cache folder (`kernels/`), named by what `-march=native` compiles for (the machine and its
-CPU's feature flags), the sources' folder, Python's and torch's versions: a cache shared between
-machines never serves one CPU another's build, and two copies of kvchat on one machine keep one each.
+kvchat's cache folder (`kernels/`), named by the library (its tier: kvchat/native/tiers.py), the
+machine, the sources' folder, Python's and torch's versions: the instructions a library uses are its
+explicit flags, part of its key (build_files.py), so a cache shared between machines serves each CPU
+only a tier it runs, and two copies of kvchat on one machine keep one each.
 """
 
 from __future__ import annotations
@@ -78,14 +79,9 @@ def build_root() -> Path:
 
 
 def _build_tag(sources: Path) -> str:
-    """A short hash of what -march=native compiles for, where the sources are, and the versions."""
-    flags = ""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        lines = cpuinfo.read_text().splitlines()
-        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    """A short hash of the machine, where the sources are, and the versions."""
     versions = f"{sys.version_info[:2]} {torch.__version__}"
-    text = f"{platform.machine()} {flags} {sources.resolve()} {versions}"
+    text = f"{platform.machine()} {sources.resolve()} {versions}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

@@ -83,9 +83,12 @@ def object_name(source: str) -> str:
 
 
 def object_key(plan: LibraryPlan, source: str) -> str:
-    """A hash of what an object is compiled from: the compiler, its flags and the source's content."""
+    """A hash of what an object is compiled from: the compiler, its flags, the source's content and
+    that of the headers beside it (kvchat's own, which sources may include)."""
     digest = hashlib.sha256(json.dumps([plan.compiler, plan.compile_flags, Path(source).name]).encode())
     digest.update(Path(source).read_bytes())
+    for header in sorted(Path(source).parent.glob("*.h")):
+        digest.update(header.name.encode() + header.read_bytes())
     return digest.hexdigest()
 
 

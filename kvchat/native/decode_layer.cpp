@@ -6,8 +6,8 @@
 //                       KV head they read, as kvchat::paged_attention takes them;
 //   kvchat::silu_mul    the MLP's silu(gate) * up of a fused gate/up projection;
 //   kvchat::decoder_layers  every decoder layer of a model whose linears kvchat's kernels (or torch's
-//                       plain one) run: the ops above and the kernels', called from here in turn;
-//   kvchat::set_batch_invariant  whether the linear kernels keep to their batch-invariant paths.
+//                       plain one) run: the ops above and the kernels', called from here in turn
+//                       (found by name: the CPU tier's linear library registers them, kernels.py).
 //
 // Each is the module's arithmetic in the module's dtype, with its roundings: in bf16 every product
 // and sum the module rounds to bf16 is rounded here too. Where torch ran 4 to 25 small ops a step,
@@ -26,7 +26,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -173,19 +172,7 @@ namespace kvchat_math {
 void exp_floats(const float* x, float* out, int64_t n);  // paged_decode.cpp
 }  // namespace kvchat_math
 
-namespace kvchat_tier {
-
-// Whether the linear kernels keep to their batch-invariant paths (no AMX tiles for several rows): on
-// unless the engine was started without batch invariance (kvchat::set_batch_invariant).
-std::atomic<bool> invariant{true};
-
-bool batch_invariant() { return invariant.load(std::memory_order_relaxed); }
-
-}  // namespace kvchat_tier
-
 namespace {
-
-void set_batch_invariant(bool on) { kvchat_tier::invariant.store(on, std::memory_order_relaxed); }
 
 // silu(gate) * up of one row of n: gate / (1 + e^-gate) in fp32, rounded to T, times up, rounded to T,
 // as the module's silu and product round them.
@@ -277,7 +264,7 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& keys, const
 //   kvchat::int4_linear;
 //   uint8 codes with bf16 scales (N,): kvchat::int8_linear;
 //   a plain weight (N, K) of x's dtype, b None: at::linear.
-// The quantized kernels' fp32 output gets the bias, then x's dtype, as models/quantized_linears.py does.
+// The quantized kernels' fp32 output gets the bias, then x's dtype, as linears/quantized_linears.py does.
 // Returns residual + linear(x) where a residual is given, each rounded to x's dtype.
 at::Tensor project(const at::Tensor& x, const at::Tensor& a, const Optional& b, const Optional& bias,
                    const Optional& residual = std::nullopt) {
@@ -352,7 +339,6 @@ TORCH_LIBRARY_FRAGMENT(kvchat, m) {
   m.def(
       "decoder_layers(Tensor hidden, Tensor?[] parts, float eps, Tensor cos, Tensor signed_sin, Tensor(a!) keys, "
       "Tensor(b!) values, Tensor write_slots, Tensor read_slots, int num_heads, float scale) -> Tensor");
-  m.def("set_batch_invariant(bool on) -> ()", &set_batch_invariant);  // no tensor to dispatch on: every backend
 }
 
 TORCH_LIBRARY_IMPL(kvchat, CPU, m) {

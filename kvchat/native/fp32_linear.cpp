@@ -6,7 +6,7 @@
 // others (a prefill chunk, speculation's drafts). MKL's one-row and many-row products sum in different
 // orders, so a token's logits depended on how many tokens were computed with it.
 //
-// The weight (written by models/weight_layout.py) is in tiles of 16 output rows, each a run of 64-byte
+// The weight (written by linears/weight_layout.py) is in tiles of 16 output rows, each a run of 64-byte
 // operands: operand k holds input k's weight for the tile's 16 rows. Each operand is multiplied by the
 // input broadcast and added to the tile's 16 partial sums; the bias is added at the end, then, where a residual is
 // given, the output to it: `residual + linear(x)` in fp32. One input row streams 8 tiles at once, every

@@ -1,28 +1,29 @@
-"""Builds and registers kvchat's C++ kernels (`torch.ops.kvchat`):
+"""Builds and registers kvchat's C++ kernels (`torch.ops.kvchat`), and gives each op or None (the
+one seam the engine and the linear layers ask; none of them checks a build). Every tier builds:
 - paged_decode.cpp: attention over the paged pool that reads each past row once in place
   (`paged_attention`, `paged_attention_rows`; engine/native_attention.py and the lean decode step
   use them);
 - decode_layer.cpp: a decoder layer's small steps between its products, one op each (`rms_norm`,
   `rope_write`, `silu_mul`), and every decoder layer of a model in one (`decoder_layers`);
-  engine/decode_step.py uses them; and `set_batch_invariant`, whether the linear kernels keep to
-  their batch-invariant paths (`set_batch_invariant` below);
-- quantized_linear.cpp: int4 and int8 linear layers at the machine's read bandwidth, on CPUs with
-  AVX-512 VNNI (`int4_linear`, `int8_linear`; models/quantized_linears.py uses them);
-- bf16_linear.cpp: the bf16 linear layer at the machine's read bandwidth, on CPUs with AVX-512 BF16,
-  several rows (prefill, speculation's drafts) on AMX's tiles where the CPU has them and batch
-  invariance is off (`bf16_linear`; engine/bf16_linears.py's TiledLinear uses it);
-- fp32_linear.cpp: the fp32 linear layer, one order of sums for any number of rows, on CPUs with
-  AVX-512 (`fp32_linear`; TiledLinear over fp32 tiles uses it);
+  engine/decode_step.py uses them;
 - rescore.cpp: the highest logits of a rescored output layer computed again from the exact weight
-  (`rescore_top`; models/rescored_head.py uses it).
+  (`rescore_top`; linears/rescored_head.py uses it).
+And each tier its linear layers (`bf16_linear`, `fp32_linear`, `int8_linear`, `int4_linear`; the
+layers of kvchat/linears use them), at the machine's read bandwidth for one row of input, one order
+of sums for any number of rows:
+- avx512: bf16_linear.cpp (AVX-512 BF16; several rows on AMX's tiles where the CPU has them and batch
+  invariance is off, `set_batch_invariant`), fp32_linear.cpp, quantized_linear.cpp (AVX-512 VNNI);
+- avx2: the *_avx2.cpp files (AVX2, FMA), on the same tiles;
+- neon: linear_neon.cpp over neon_linear.h (Arm64), on the same tiles.
 
-They are compiled for this CPU (`-march=native`) with the machine's C++ compiler, once, into two
-libraries: the first four sources make the one every start loads, the last two the quantized layers'
-one, built at the first start with --quantize. A first start builds them in a process of its own while
-the model loads (kvchat/native/build.py, runner.py); later starts load the libraries they left after
-checking them whole. Where they cannot be built (no compiler, a build that failed), attention gathers
-the K/V, quantized layers run torch's own kernels and bf16 ones oneDNN's; `build_error()` says why, and
-`status()` says it for /info with what to install.
+They are compiled, once, with the machine's C++ compiler into two libraries for the CPU's tier
+(kvchat/native/tiers.py): the first three sources, plain C++, make the one every start loads (compiled
+with the tier's flags); the tier's linear kernels make the second (none with the `portable` tier).
+A first start builds them in a process of its own while the model loads (kvchat/native/build.py,
+runner.py); later starts load the libraries they left after checking them whole. Where they cannot be
+built (no compiler, a build that failed), attention gathers the K/V, quantized layers run torch's own
+kernels and bf16 ones oneDNN's; `build_error()` says why, and `status()` says it for /info with what
+to install. A linear library that fails leaves the first one working, and the other way round.
 """
 
 from __future__ import annotations
@@ -36,33 +37,52 @@ from pathlib import Path
 
 import torch
 
+from kvchat.native import tiers
 from kvchat.native.build import BUILDING, Build, Library, Progress, plan
 
-FLAGS = ("-O3", "-march=native")
-# Every start on a CPU needs the first; only --quantize the second: a first start without it compiles
-# four files, not six.
-CORE = Library(
-    "kernels", ("paged_decode.cpp", "decode_layer.cpp", "bf16_linear.cpp", "fp32_linear.cpp"), FLAGS
-)
-QUANTIZED = Library("quantized", ("quantized_linear.cpp", "rescore.cpp"), FLAGS)
-LIBRARIES = (CORE, QUANTIZED)
-SOURCES = tuple(source for library in LIBRARIES for source in library.sources)
+CORE_SOURCES = ("paged_decode.cpp", "decode_layer.cpp", "rescore.cpp")
+
+
+def core_library(tier: str) -> Library:
+    """The kernels every start loads, compiled with the tier's flags."""
+    return Library(f"kernels_{tier}", CORE_SOURCES, tiers.flags(tier))
+
+
+def linear_library(tier: str) -> Library | None:
+    """The tier's linear kernels; None for the portable tier (torch's run instead)."""
+    sources, flags = tiers.SOURCES.get(tier), tiers.flags(tier)
+    # with AMX's flags in a folder of its own: a cache shared with a CPU without them keeps both
+    name = f"linears_{tier}" + ("_amx" if set(tiers.AMX_FLAGS) <= set(flags) else "")
+    return Library(name, sources, flags) if sources else None
+
+
+SOURCES = CORE_SOURCES + tuple(source for tier in tiers.TIERS for source in tiers.SOURCES.get(tier, ()))
 # What decode loses without them, measured on SmolLM2-135M (bf16, one thread, Zen 4): see docs/caches.md.
 COST_WITHOUT = "decode runs about 3x slower without them"
 INSTALL = (
     "install a C++ compiler (Debian/Ubuntu: apt install g++; Fedora: dnf install gcc-c++) and start again"
 )
 
-__all__ = ["BUILDING", "built", "build_error", "failure_note", "start_build", "status"]
+__all__ = ["BUILDING", "built", "build_error", "failure_note", "start_build", "status", "tier"]
 
 _builds: dict[str, Build] = {}  # each library's build in this process, once started
 
 
-def start_build(progress: Progress | None = None, quantized: bool = False) -> None:
-    """Start building the kernels (with `quantized`, the quantized layers' too) in the background
-    where they are not built yet, reporting to `progress`; returns at once. Asking for an op waits."""
-    wanted = [CORE, QUANTIZED] if quantized else [CORE]
-    missing = [library for library in wanted if library.name not in _builds]
+def tier() -> str:
+    """The tier of kernels this process runs (kvchat/native/tiers.py); raises ConfigError where
+    $KVCHAT_CPU_TIER asks for one this CPU cannot run."""
+    return tiers.chosen()
+
+
+def _libraries() -> list[Library]:
+    linears = linear_library(tier())
+    return [core_library(tier())] + ([linears] if linears else [])
+
+
+def start_build(progress: Progress | None = None) -> None:
+    """Start building the kernels of this CPU's tier in the background where they are not built yet,
+    reporting to `progress`; returns at once. Asking for an op waits."""
+    missing = [library for library in _libraries() if library.name not in _builds]
     if missing:
         folder = Path(str(resources.files("kvchat.native")))
         build = Build([plan(library, folder) for library in missing])
@@ -85,11 +105,23 @@ def build_error() -> str | None:
     return _build()[1]
 
 
+def linears_built() -> bool:
+    """Whether the tier's linear kernels are built and registered (never with the portable tier)."""
+    library = linear_library(tier())
+    return library is not None and built() and _load(library.name)[0]
+
+
 def status() -> str:
     """The kernels' state in one line, for /info: built, or why not, what to install, what it costs."""
     error = build_error()
     if error is None:
-        return "kvchat's, built for this CPU"
+        linears = linear_library(tier())
+        if linears is None:
+            return f"kvchat's, built for this CPU ({tier()} tier: linears run torch's)"
+        problem = _load(linears.name)[1]
+        if problem is not None:
+            return f"kvchat's, built for this CPU; its {tier()} linears are not ({problem})"
+        return f"kvchat's, built for this CPU ({tier()} tier)"
     if error.startswith("no C++ compiler"):
         return f"not built: {error}; {INSTALL} ({COST_WITHOUT})"
     return f"not built: {error} ({COST_WITHOUT})"
@@ -105,53 +137,72 @@ def failure_note() -> str | None:
 
 
 def int4_linear() -> Callable | None:
-    """`kvchat::int4_linear`, or None where it is not built: no compiler, or no AVX-512 VNNI."""
-    return _quantized_op("int4_linear")
+    """`kvchat::int4_linear`, or None where the tier's linears are not built (or the tier is portable)."""
+    return _linear_op("int4_linear")
 
 
 def int8_linear() -> Callable | None:
-    """`kvchat::int8_linear`, or None where it is not built: no compiler, or no AVX-512 VNNI."""
-    return _quantized_op("int8_linear")
+    """`kvchat::int8_linear`, or None where the tier's linears are not built (or the tier is portable)."""
+    return _linear_op("int8_linear")
 
 
 def bf16_linear() -> Callable | None:
-    """`kvchat::bf16_linear`, or None where it is not built: no compiler, or no AVX-512 BF16."""
-    # registered only where compiled for the instructions it needs
-    return getattr(torch.ops.kvchat, "bf16_linear", None) if built() else None
+    """`kvchat::bf16_linear`, or None where the tier's linears are not built (or the tier is portable)."""
+    return _linear_op("bf16_linear")
 
 
 def fp32_linear() -> Callable | None:
-    """`kvchat::fp32_linear`, or None where it is not built: no compiler, or no AVX-512."""
-    return getattr(torch.ops.kvchat, "fp32_linear", None) if built() else None
+    """`kvchat::fp32_linear`, or None where the tier's linears are not built (or the tier is portable)."""
+    return _linear_op("fp32_linear")
 
 
 def set_batch_invariant(on: bool) -> None:
     """Whether the linear kernels keep to their batch-invariant paths, process-wide (where the kernels
     are built): on, a row's outputs are the same bits whatever rows come with it; off, several rows may
     go to AMX's tiles where the CPU has them, faster, in another order of sums."""
-    if built():
-        torch.ops.kvchat.set_batch_invariant(on)
+    op = _linear_op("set_batch_invariant")
+    if op is not None:
+        op(on)
 
 
 def rescore_top() -> Callable | None:
     """`kvchat::rescore_top`, or None where the kernels are not built."""
-    return _quantized_op("rescore_top")
+    return _core_op("rescore_top")
 
 
-def _quantized_op(name: str) -> Callable | None:
-    # the linear kernels are registered only when compiled for the instructions they need
-    return getattr(torch.ops.kvchat, name, None) if built() and _load(QUANTIZED.name)[0] else None
+def rms_norm() -> Callable | None:
+    """`kvchat::rms_norm`, or None where the kernels are not built."""
+    return _core_op("rms_norm")
+
+
+def paged_attention() -> Callable | None:
+    """`kvchat::paged_attention`, or None where the kernels are not built."""
+    return _core_op("paged_attention")
+
+
+def decoder_layers() -> Callable | None:
+    """`kvchat::decoder_layers`, or None where the kernels are not built."""
+    return _core_op("decoder_layers")
+
+
+def _core_op(name: str) -> Callable | None:
+    return getattr(torch.ops.kvchat, name) if built() else None
+
+
+def _linear_op(name: str) -> Callable | None:
+    # an op of the tier's linear library, registered only where it was built and loaded
+    return getattr(torch.ops.kvchat, name, None) if linears_built() else None
 
 
 def _build() -> tuple[bool, str | None]:
     """Whether the kernels every start uses are registered, and if not, why (tests replace it)."""
-    return _load(CORE.name)
+    return _load(core_library(tier()).name)
 
 
 @functools.cache
 def _load(name: str) -> tuple[bool, str | None]:
     """Wait for the library's build and load it; whether its ops are registered, and if not, why."""
-    start_build(quantized=name == QUANTIZED.name)
+    start_build()
     result = _builds[name].wait()[name]
     if isinstance(result, str):
         return False, result

@@ -11,7 +11,7 @@
 // (speculation's drafts, prefill) each tile is read once per 4 rows, from cache, and 16 rows or more
 // of a bf16 model run on AMX where the CPU has it (amx_linear, below). The output is fp32.
 //
-// The weights (written by models/quantized_linears.py) are in tiles of 16 rows by groups of 32 inputs, laid out as
+// The weights (written by linears/quantized_linears.py) are in tiles of 16 rows by groups of 32 inputs, laid out as
 // vpdpbusd operands: 16 rows by 4 inputs in 64 bytes, against 4 inputs broadcast.
 // int4: a tile-group is 256 bytes of codes, four 64-byte blocks: block i's byte 4r + j holds row r's
 //   code for input 4i + j in its low nibble and for input 16 + 4i + j in its high one; in a second
@@ -43,7 +43,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define KVCHAT_AMX 1
 namespace kvchat_tier {
-bool batch_invariant();  // decode_layer.cpp
+bool batch_invariant();  // bf16_linear.cpp
 }  // namespace kvchat_tier
 
 // bf16_linear.cpp's AMX tile work, which this file's prefill path shares

@@ -1,4 +1,4 @@
-// The second step of a rescored output layer (models/rescored_head.py), registered for CPU (built by
+// The second step of a rescored output layer (linears/rescored_head.py), registered for CPU (built by
 // kernels.py): kvchat::rescore_top computes again, in place, at least the `num_exact` highest of each
 // row of int4 logits from the rows of the exact weight. On Qwen2.5-3B's 151,936 logits torch's ops took
 // ~3.4 ms for it (a top-k, the rows gathered into a copy, a batched product); this takes ~1 ms: the
@@ -7,8 +7,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>

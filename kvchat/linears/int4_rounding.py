@@ -1,5 +1,5 @@
 """int4 weights from fp32 ones: each group of inputs rounded to 16 levels between two ends, as
-models/quantized_linears.py's Int4Linear holds them: with a bf16 scale and zero a group
+linears/quantized_linears.py's Int4Linear holds them: with a bf16 scale and zero a group
 (`GroupScales`), or, in groups of 32, nested (`NestedScales`): 8-bit scale and low codes a group under
 bf16 factors per row, 4.5 bits a weight where bf16 scales and zeros take 5 (llama.cpp's Q4_K nests
 6-bit codes under factors per 8 groups, also 4.5).

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvchat.models.int4_rounding import GroupScales, NestedScales
+from kvchat.linears.int4_rounding import GroupScales, NestedScales
 
 GROUP_SIZE = 32  # inputs per int4 scale and zero, as GGUF's Q4_0/Q4_1 blocks, and per kvchat tile-group
 TILE_ROWS = 16  # output rows per tile in kvchat's layouts

@@ -21,14 +21,16 @@ there were two or three; the layers keep views of its tiles, so the weights are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from kvchat.models import weight_layout as layout
-from kvchat.models.weight_layout import TILE_ROWS
+from kvchat.linears import weight_layout as layout
+from kvchat.linears.weight_layout import TILE_ROWS
 from kvchat.native import kernels
 
-# kvchat's kernel for a tiled weight of each dtype, and the layout it reads (models/weight_layout.py)
+# kvchat's kernel for a tiled weight of each dtype, and the layout it reads (linears/weight_layout.py)
 KERNELS = {torch.bfloat16: kernels.bf16_linear, torch.float32: kernels.fp32_linear}
 LAYOUTS = {torch.bfloat16: layout.tile_bf16, torch.float32: layout.tile_fp32}
 
@@ -85,10 +87,7 @@ class TiledLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.tiles.dtype)  # (N, in)
-        if self.tiles.dtype == torch.bfloat16:
-            out = torch.ops.kvchat.bf16_linear(rows, self.tiles, self.bias)  # (N, out)
-        else:
-            out = torch.ops.kvchat.fp32_linear(rows, self.tiles, self.bias)
+        out = _kernel(self.tiles.dtype)(rows, self.tiles, self.bias)  # (N, out)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -152,3 +151,9 @@ def _replace(model: nn.Module, wanted, replacement) -> int:
     for parent, name, child in targets:
         setattr(parent, name, replacement(child))
     return len(targets)
+
+
+def _kernel(dtype: torch.dtype) -> Callable:
+    op = KERNELS[dtype]()
+    assert op is not None, "a TiledLinear is made where its kernel is built (can_tile)"
+    return op

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvchat.models.quantized_linears import Int4Linear
+from kvchat.linears.quantized_linears import Int4Linear
 from kvchat.native import kernels
 
 NUM_EXACT = 1024  # the logits of each row computed again from the exact weight (at least)

@@ -21,10 +21,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvchat.models import int4_rounding
-from kvchat.models import weight_layout as layout
-from kvchat.models.int4_rounding import GroupScales, NestedScales
-from kvchat.models.weight_layout import GROUP_SIZE, TILE_ROWS
+from kvchat.linears import int4_rounding
+from kvchat.linears import weight_layout as layout
+from kvchat.linears.int4_rounding import GroupScales, NestedScales
+from kvchat.linears.weight_layout import GROUP_SIZE, TILE_ROWS
 from kvchat.native import kernels
 
 KERNEL_DTYPE = torch.bfloat16
@@ -77,7 +77,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # (M, K)
         if self.kernel == "kvchat":
-            out = torch.ops.kvchat.int8_linear(flat, self.codes, self.scales)  # (M, N)
+            out = _kernel(kernels.int8_linear)(flat, self.codes, self.scales)  # (M, N)
         elif flat.device.type == "cuda":
             # torch's int8 kernel on CUDA took 300 us for one row of a 2048x11008 weight and 99 ms for
             # 2,000 (H100); cuBLAS on the codes widened to bf16, then the rows' scales, 87 and 190 us.
@@ -168,7 +168,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # (M, K)
         if self.kernel == "kvchat":
-            out = torch.ops.kvchat.int4_linear(flat, self.packed, self.params)  # (M, N)
+            out = _kernel(kernels.int4_linear)(flat, self.packed, self.params)  # (M, N)
         else:
             out = _int4_mm(flat.to(KERNEL_DTYPE), self.packed, self.group_size, self.params)
         return _finish(out, self.bias, x)
@@ -261,3 +261,9 @@ def _int4_mm(
     if x.device.type == "cpu":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
     return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
+
+
+def _kernel(find: Callable[[], Callable | None]) -> Callable:
+    op = find()
+    assert op is not None, "a layer takes kvchat's kernel where it is built (_choose_kernel)"
+    return op
