@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "quantized_layout.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -245,25 +247,10 @@ at::Tensor by_tiles(const at::Tensor& x, int64_t tiles, Tile&& tile) {
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && (params.dim() == 4 || params.dim() == 2),
-              "int4_linear: x (M, K), codes (N/16, K/32, 256), params (N/16, K/(32 S), 2, 16) bf16 or nested "
-              "(N/16, 64 + K) uint8");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && params.scalar_type() == (params.dim() == 4 ? at::kBFloat16 : at::kByte),
-              "int4_linear: uint8 codes, and bf16 params or uint8 nested ones");
-  TORCH_CHECK(codes.is_contiguous() && params.is_contiguous(), "int4_linear: contiguous weights");
+  kvchat_layout::check_int4(x, codes, params);
   const int64_t tiles = codes.size(0), groups = codes.size(1);
-  TORCH_CHECK(codes.size(2) == kCodeBytes && x.size(1) == groups * kGroup, "int4_linear: shapes");
   const bool nested = params.dim() == 2;
   const int64_t spans = nested ? groups : params.size(1);
-  if (nested) {
-    TORCH_CHECK(params.size(0) == tiles && params.size(1) == kNestedHead + groups * kNestedGroup,
-                "int4_linear: nested params shape");
-  } else {
-    const int64_t span = spans > 0 ? groups / spans : 0;
-    TORCH_CHECK(params.size(0) == tiles && spans * span == groups && (span == 1 || span == 2 || span == 4) &&
-                    params.size(2) == 2 && params.size(3) == kRows,
-                "int4_linear: params shape (groups of 32, 64 or 128 inputs)");
-  }
   const Params kind{static_cast<const uint8_t*>(params.const_data_ptr()), nested, spans};
   const uint8_t* c = codes.const_data_ptr<uint8_t>();
   return by_tiles(x, tiles, [&](auto batch, int64_t t, const QuantizedInput& q, int64_t b, float* to, int64_t width) {
@@ -273,14 +260,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == 1,
-              "int8_linear: x (M, K), codes (N/16, K/32, 512), scales (N,)");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kBFloat16,
-              "int8_linear: uint8 codes and bf16 scales");
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(), "int8_linear: contiguous weights");
+  kvchat_layout::check_int8(x, codes, scales);
   const int64_t tiles = codes.size(0), groups = codes.size(1);
-  TORCH_CHECK(codes.size(2) == kByteCodes && x.size(1) == groups * kGroup && scales.size(0) == tiles * kRows,
-              "int8_linear: shapes");
   const uint8_t* c = codes.const_data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::BFloat16>());
   return by_tiles(x, tiles, [&](auto batch, int64_t t, const QuantizedInput& q, int64_t b, float* to, int64_t width) {
