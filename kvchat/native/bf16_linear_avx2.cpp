@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tiled_layout.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -125,23 +127,9 @@ void all_rows(int64_t rows, const uint16_t* w, int64_t pairs, const float* x, co
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && tiles.dim() == 3 && tiles.size(2) == kPair,
-              "bf16_linear: x (M, K), tiles (N/16, K/2, 32)");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && tiles.scalar_type() == at::kBFloat16,
-              "bf16_linear: bf16 input and weights");
-  TORCH_CHECK(tiles.is_contiguous(), "bf16_linear: contiguous weights");
+  kvchat_layout::check_bf16_tiles(x, tiles);
   const int64_t rows = x.size(0), inputs = x.size(1), pairs = tiles.size(1), width = tiles.size(0) * kRows;
-  TORCH_CHECK(inputs == 2 * pairs, "bf16_linear: x has ", inputs, " inputs, the weights ", 2 * pairs);
-  at::Tensor offsets, added;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == width, "bf16_linear: bias (N,)");
-    offsets = bias->to(at::kFloat).contiguous();
-  }
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->sizes() == at::IntArrayRef({rows, width}) && residual->scalar_type() == at::kBFloat16,
-                "bf16_linear: residual (M, N), bf16");
-    added = residual->contiguous();
-  }
+  const auto [offsets, added] = kvchat_layout::extras("bf16_linear", bias, residual, rows, width, at::kBFloat16);
   const at::Tensor input = x.to(at::kFloat).contiguous();  // exact: bf16 is fp32's upper half
   at::Tensor out = at::empty({rows, width}, x.options());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(tiles.const_data_ptr<at::BFloat16>());

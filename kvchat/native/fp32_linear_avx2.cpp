@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tiled_layout.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -107,21 +109,9 @@ void all_rows(int64_t rows, const float* w, int64_t inputs, const float* x, cons
 // x (M, K) fp32, tiles (N/16, K, 16) fp32, bias (N,), residual (M, N): (M, N) fp32.
 at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& tiles, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && tiles.dim() == 3 && tiles.size(2) == kRows, "fp32_linear: x (M, K), tiles (N/16, K, 16)");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && tiles.scalar_type() == at::kFloat, "fp32_linear: fp32 input and weights");
-  TORCH_CHECK(tiles.is_contiguous(), "fp32_linear: contiguous weights");
+  kvchat_layout::check_fp32_tiles(x, tiles);
   const int64_t rows = x.size(0), inputs = x.size(1), width = tiles.size(0) * kRows;
-  TORCH_CHECK(inputs == tiles.size(1), "fp32_linear: x has ", inputs, " inputs, the weights ", tiles.size(1));
-  at::Tensor offsets, added;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == width, "fp32_linear: bias (N,)");
-    offsets = bias->to(at::kFloat).contiguous();
-  }
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->sizes() == at::IntArrayRef({rows, width}) && residual->scalar_type() == at::kFloat,
-                "fp32_linear: residual (M, N), fp32");
-    added = residual->contiguous();
-  }
+  const auto [offsets, added] = kvchat_layout::extras("fp32_linear", bias, residual, rows, width, at::kFloat);
   const at::Tensor input = x.contiguous();
   at::Tensor out = at::empty({rows, width}, x.options());
   const float* w = tiles.const_data_ptr<float>();

@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tiled_layout.h"
+
 #include "quantized_layout.h"
 
 #if defined(__aarch64__) && defined(__ARM_NEON)
@@ -37,31 +39,11 @@ void by_tiles(int64_t rows, int64_t tiles, Tile&& tile) {
   });
 }
 
-// bias as fp32 and the residual, contiguous, after checking their shapes
-std::pair<at::Tensor, at::Tensor> extras(const char* name, const std::optional<at::Tensor>& bias,
-                                         const std::optional<at::Tensor>& residual, int64_t rows, int64_t width,
-                                         at::ScalarType dtype) {
-  at::Tensor offsets, added;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == width, name, ": bias (N,)");
-    offsets = bias->to(at::kFloat).contiguous();
-  }
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->sizes() == at::IntArrayRef({rows, width}) && residual->scalar_type() == dtype, name,
-                ": residual (M, N) of the input's dtype");
-    added = residual->contiguous();
-  }
-  return {offsets, added};
-}
-
 at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& tiles, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && tiles.dim() == 3 && tiles.size(2) == kRows, "fp32_linear: x (M, K), tiles (N/16, K, 16)");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && tiles.scalar_type() == at::kFloat, "fp32_linear: fp32 input and weights");
-  TORCH_CHECK(tiles.is_contiguous(), "fp32_linear: contiguous weights");
+  kvchat_layout::check_fp32_tiles(x, tiles);
   const int64_t rows = x.size(0), inputs = x.size(1), width = tiles.size(0) * kRows;
-  TORCH_CHECK(inputs == tiles.size(1), "fp32_linear: x has ", inputs, " inputs, the weights ", tiles.size(1));
-  const auto [offsets, added] = extras("fp32_linear", bias, residual, rows, width, at::kFloat);
+  const auto [offsets, added] = kvchat_layout::extras("fp32_linear", bias, residual, rows, width, at::kFloat);
   const at::Tensor input = x.contiguous();
   at::Tensor out = at::empty({rows, width}, x.options());
   const float* w = tiles.const_data_ptr<float>();
@@ -78,13 +60,9 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& tiles, const std::
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && tiles.dim() == 3 && tiles.size(2) == kPair, "bf16_linear: x (M, K), tiles (N/16, K/2, 32)");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && tiles.scalar_type() == at::kBFloat16,
-              "bf16_linear: bf16 input and weights");
-  TORCH_CHECK(tiles.is_contiguous(), "bf16_linear: contiguous weights");
+  kvchat_layout::check_bf16_tiles(x, tiles);
   const int64_t rows = x.size(0), inputs = x.size(1), pairs = tiles.size(1), width = tiles.size(0) * kRows;
-  TORCH_CHECK(inputs == 2 * pairs, "bf16_linear: x has ", inputs, " inputs, the weights ", 2 * pairs);
-  const auto [offsets, added] = extras("bf16_linear", bias, residual, rows, width, at::kBFloat16);
+  const auto [offsets, added] = kvchat_layout::extras("bf16_linear", bias, residual, rows, width, at::kBFloat16);
   const at::Tensor input = x.to(at::kFloat).contiguous();  // exact
   at::Tensor out = at::empty({rows, width}, x.options());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(tiles.const_data_ptr<at::BFloat16>());
