@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "tiled_layout.h"
+#include "unrolled.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -51,9 +52,9 @@ inline __m256 widen(const uint16_t* p) {  // 8 bf16 values as fp32
 }
 
 // A tile's 16 sums plus their bias, rounded to bf16, then plus the residual and rounded again.
-inline void finish(const __m256 (&sum)[2], const float* bias, const uint16_t* residual, uint16_t* out) {
+__attribute__((always_inline)) inline void finish(__m256 low, __m256 high, const float* bias, const uint16_t* residual, uint16_t* out) {
   for (int h = 0; h < 2; ++h) {
-    __m128i rounded = to_bf16(_mm256_add_ps(sum[h], bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps()));
+    __m128i rounded = to_bf16(_mm256_add_ps(h ? high : low, bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps()));
     if (residual) {
       const __m256 value = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(rounded), 16));
       rounded = to_bf16(_mm256_add_ps(value, widen(residual + 8 * h)));
@@ -67,34 +68,39 @@ inline void finish(const __m256 (&sum)[2], const float* bias, const uint16_t* re
 template <int B, int T>
 void block(const uint16_t* w, int64_t pairs, const float* x, const float* bias, const uint16_t* residual,
            uint16_t* out, int64_t out_stride, int64_t ahead) {
+  using kvchat_unrolled::unrolled;
   const int64_t inputs = 2 * pairs;
   const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 acc[B][T][2];
-  for (int b = 0; b < B; ++b)
-    for (int t = 0; t < T; ++t) acc[b][t][0] = acc[b][t][1] = _mm256_setzero_ps();
+  __m256 acc[B * T * 2];  // row b, tile t, half h at (b T + t) 2 + h
+  unrolled<B * T * 2>([&](auto i) __attribute__((always_inline)) { acc[i] = _mm256_setzero_ps(); });
   for (int64_t p = 0; p < pairs; ++p) {
-    __m256 even[T][2], odd[T][2];
-    for (int t = 0; t < T; ++t) {
+    __m256 x_even[B], x_odd[B];
+    unrolled<B>([&](auto b) __attribute__((always_inline)) {
+      x_even[b] = _mm256_broadcast_ss(x + b * inputs + 2 * p);
+      x_odd[b] = _mm256_broadcast_ss(x + b * inputs + 2 * p + 1);
+    });
+    // each line loaded, split and summed before the next: the sums, the inputs and one line's halves
+    // fit the 16 ymm registers
+    unrolled<T>([&](auto t) __attribute__((always_inline)) {
       const uint16_t* line = w + (t * pairs + p) * kPair;
       _mm_prefetch(reinterpret_cast<const char*>(line + ahead * kPair), B == 1 ? _MM_HINT_T1 : _MM_HINT_T0);
-      for (int h = 0; h < 2; ++h) {
+      unrolled<2>([&](auto h) __attribute__((always_inline)) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16 * h));
-        even[t][h] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-        odd[t][h] = _mm256_castsi256_ps(_mm256_and_si256(raw, high_half));
-      }
-    }
-    for (int b = 0; b < B; ++b) {
-      const __m256 x_even = _mm256_broadcast_ss(x + b * inputs + 2 * p);
-      const __m256 x_odd = _mm256_broadcast_ss(x + b * inputs + 2 * p + 1);
-      for (int t = 0; t < T; ++t)
-        for (int h = 0; h < 2; ++h)
-          acc[b][t][h] = _mm256_fmadd_ps(even[t][h], x_even, _mm256_fmadd_ps(odd[t][h], x_odd, acc[b][t][h]));
-    }
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(raw, high_half));
+        unrolled<B>([&](auto b) __attribute__((always_inline)) {
+          __m256& sum = acc[(b * T + t) * 2 + h];
+          sum = _mm256_fmadd_ps(even, x_even[b], _mm256_fmadd_ps(odd, x_odd[b], sum));
+        });
+      });
+    });
   }
-  for (int b = 0; b < B; ++b)
-    for (int t = 0; t < T; ++t)
-      finish(acc[b][t], bias ? bias + t * kRows : nullptr, residual ? residual + b * out_stride + t * kRows : nullptr,
-             out + b * out_stride + t * kRows);
+  unrolled<B>([&](auto b) __attribute__((always_inline)) {
+    unrolled<T>([&](auto t) __attribute__((always_inline)) {
+      finish(acc[(b * T + t) * 2], acc[(b * T + t) * 2 + 1], bias ? bias + t * kRows : nullptr,
+             residual ? residual + b * out_stride + t * kRows : nullptr, out + b * out_stride + t * kRows);
+    });
+  });
 }
 
 // Every input row against tiles begin..end-1: one row streams them kSpan at a time; more take each
