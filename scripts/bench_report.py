@@ -109,7 +109,9 @@ def results_section(runs: list[dict]) -> str:
             "",
             f"Measured {run['date']} on {run['machine']}"
             + (f"; one-thread read bandwidth {bandwidth} GB/s (start, end)" if bandwidth else "")
-            + f". `{run['command']}`" + (f" ({run['note']})" if run.get("note") else "") + ".",
+            + f". `{run['command']}`"
+            + (f" ({run['note']})" if run.get("note") else "")
+            + ".",
             "",
             "| context | prompt | variant | tok/s | vs llama.cpp, same bytes |",
             "|---:|---|---|---:|---:|",

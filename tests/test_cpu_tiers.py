@@ -81,7 +81,11 @@ def run_tests_at(tier: str, paths: list[str]) -> None:
     env = dict(os.environ, **{tiers.ENV: tier})
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
     )
     tail = "\n".join(done.stdout.splitlines()[-15:])
     assert done.returncode == 0, f"at the {tier} tier:\n{tail}\n{done.stderr[-2000:]}"
@@ -116,9 +120,20 @@ def torch_includes() -> list[str]:
 @pytest.mark.parametrize("source", [*kernels.CORE_SOURCES, *tiers.SOURCES["neon"]])
 def test_the_portable_and_neon_sources_compile_for_aarch64(source: str, tmp_path: Path) -> None:
     done = subprocess.run(
-        [CROSS, "-std=c++20", "-O2", "-fPIC", *torch_includes(), "-c", str(NATIVE / source), "-o",
-         str(tmp_path / "x.o")],
-        capture_output=True, text=True, timeout=600,
+        [
+            CROSS,
+            "-std=c++20",
+            "-O2",
+            "-fPIC",
+            *torch_includes(),
+            "-c",
+            str(NATIVE / source),
+            "-o",
+            str(tmp_path / "x.o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     symbols = subprocess.run(["nm", "-C", str(tmp_path / "x.o")], capture_output=True, text=True).stdout
@@ -131,10 +146,19 @@ def test_the_portable_and_neon_sources_compile_for_aarch64(source: str, tmp_path
 def test_the_neon_arithmetic_matches_float64_under_qemu(tmp_path: Path) -> None:
     program = tmp_path / "neon_check"
     built = subprocess.run(
-        [CROSS, "-std=c++20", "-O2", "-static", f"-I{NATIVE}", str(ROOT / "tests/native/neon_check.cpp"),
-         "-o",
-         str(program)],
-        capture_output=True, text=True, timeout=600,
+        [
+            CROSS,
+            "-std=c++20",
+            "-O2",
+            "-static",
+            f"-I{NATIVE}",
+            str(ROOT / "tests/native/neon_check.cpp"),
+            "-o",
+            str(program),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert built.returncode == 0, built.stderr[-3000:]
     emulated = [QEMU, "-L", "/usr/aarch64-linux-gnu", str(program)]

@@ -33,8 +33,19 @@ NEEDS = {
 FLAGS = {
     PORTABLE: ("-O3",),
     AVX2: ("-O3", "-mtune=native", "-mavx2", "-mfma", "-mf16c"),
-    AVX512: ("-O3", "-mtune=native", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-             "-mavx512dq", "-mavx512bf16", "-mavx512vnni"),
+    AVX512: (
+        "-O3",
+        "-mtune=native",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512bf16",
+        "-mavx512vnni",
+    ),
     NEON: ("-O3",),
 }
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # with avx512, where the CPU has AMX's tiles
