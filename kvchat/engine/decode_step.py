@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvchat.linears.bf16_linears import TiledLinear, fuse_tiled
@@ -45,7 +44,6 @@ RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})  # weigh
 # AMX's tiles where the CPU has them
 MAX_LEAN_TOKENS = 16
 ROTATION_BLOCK = 64  # positions whose cos and sin RotationTable computes in one call
-NATIVE_DTYPES = frozenset({torch.float32, torch.bfloat16})  # what kvchat's decode_layer ops take
 
 
 class KVStore(Protocol):
@@ -188,9 +186,8 @@ class LeanDecodeStep:
         self.num_heads = model.config.num_attention_heads
         self.has_qk_norm = hasattr(first, "q_norm")
         param = next(model.parameters())
-        on_cpu = param.device.type == "cpu" and param.dtype in NATIVE_DTYPES
+        on_cpu = param.device.type == "cpu" and param.dtype in kernels.NATIVE_DTYPES
         native = on_cpu and kernels.decoder_layers() is not None
-        self.native = native  # kvchat's ops run the norms (and, with `parts`, whole layers)
         silu = getattr(model.config, "hidden_act", None) == "silu"
         self.parts = layer_parts(self.base.layers, silu, param.dtype) if native else None
         self.rotations = RotationTable(self.base) if RotationTable.takes(self.base) else None
@@ -223,7 +220,7 @@ class LeanDecodeStep:
             hidden = kv.decoder_layers(hidden[0], parts, eps, rotated, self.num_heads, self.scaling)[None]
         else:
             hidden = self._layers(hidden, kv, cos, sin)
-        hidden = rms_norm(self.base.norm, hidden[:, -num_logits:], self.native)  # (1, n, d)
+        hidden = rms_norm(self.base.norm, hidden[:, -num_logits:])  # (1, n, d)
         return self.lm_head(hidden)[0]  # (n, V)
 
     def _layers(
@@ -232,12 +229,12 @@ class LeanDecodeStep:
         """The decoder layers a layer at a time, through the model's modules."""
         for index, layer in enumerate(self.base.layers):
             attn = layer.self_attn
-            x = rms_norm(layer.input_layernorm, hidden, self.native)  # (1, q, d)
+            x = rms_norm(layer.input_layernorm, hidden)  # (1, q, d)
             query, keys, values = self._project(attn, x)
             query, keys = rope(query, cos, sin), rope(keys, cos, sin)
             out = kv.attend(index, query, keys, values, self.scaling)  # (1, q, Hq*D)
             hidden = hidden + attn.o_proj(out)
-            hidden = hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden, self.native))
+            hidden = hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
         return hidden
 
     def _project(self, attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -245,23 +242,17 @@ class LeanDecodeStep:
         shape = (*x.shape[:-1], -1, self.head_dim)  # (1, q, H, D)
         query, keys = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
         if self.has_qk_norm:
-            query, keys = rms_norm(attn.q_norm, query, self.native), rms_norm(attn.k_norm, keys, self.native)
+            query, keys = rms_norm(attn.q_norm, query), rms_norm(attn.k_norm, keys)
         values = attn.v_proj(x).view(shape)
         return query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
 
 
-def rms_norm(norm, x: torch.Tensor, native: bool) -> torch.Tensor:
-    """The families' RMSNorm module applied to `x`: in fp32, x / sqrt(mean(x^2) + eps), cast back,
-    times the weight. kvchat's one op where `native` (its kernels built, for this device and dtype),
-    else torch's fused kernel for the middle (4 ops where the module runs 8)."""
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """The families' RMSNorm module applied to `x`, by kvchat's one op where built (native/kernels.py
+    falls back to torch's fused kernel: 4 ops where the module runs 8); other norms run themselves."""
     if type(norm).__name__ not in RMS_NORMS:
         return norm(x)
-    weight = norm.weight
-    op = kernels.rms_norm() if native and x.dtype == weight.dtype and x.dtype in NATIVE_DTYPES else None
-    if op is not None:
-        return op(x, weight, norm.variance_epsilon)
-    normed = F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon)
-    return weight * normed.to(x.dtype)
+    return kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
 
 
 def rotation(base, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

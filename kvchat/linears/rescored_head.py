@@ -25,7 +25,6 @@ from kvchat.linears.quantized_linears import Int4Linear
 from kvchat.native import kernels
 
 NUM_EXACT = 1024  # the logits of each row computed again from the exact weight (at least)
-NATIVE_DTYPES = {torch.float32, torch.bfloat16}
 
 
 class RescoredHead(nn.Module):
@@ -58,22 +57,8 @@ class RescoredHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = x.reshape(-1, self.in_features)  # (M, K)
         logits = self.coarse(hidden)  # (M, V)
-        rescore = kernels.rescore_top() if logits.device.type == "cpu" else None
-        if rescore is not None and {logits.dtype, self.weight.dtype} <= NATIVE_DTYPES:
-            rescore(logits, self.weight, hidden.to(self.weight.dtype), self.num_exact)
-        else:
-            rescore_top(logits, self.weight, hidden, self.num_exact)
+        kernels.rescore(logits, self.weight, hidden, self.num_exact)
         return logits.view(*x.shape[:-1], -1)
 
     def extra_repr(self) -> str:
         return f"its {self.num_exact} highest logits a row from the exact weight"
-
-
-def rescore_top(logits: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, num_exact: int) -> None:
-    """The `num_exact` highest of each row of `logits` (M, V) computed again, in place, from `weight`
-    (V, K) and `hidden` (M, K): torch's ops, where kvchat::rescore_top (which takes at least as many) is
-    not built."""
-    top = logits.topk(num_exact, dim=-1, sorted=False).indices  # (M, n)
-    rows = weight.index_select(0, top.reshape(-1)).view(*top.shape, -1)  # (M, n, K)
-    exact = torch.bmm(rows, hidden.to(rows.dtype).unsqueeze(-1)).squeeze(-1)  # (M, n)
-    logits.scatter_(1, top, exact.to(logits.dtype))

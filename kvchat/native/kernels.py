@@ -36,11 +36,13 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kvchat.native import tiers
 from kvchat.native.build import BUILDING, Build, Library, Progress, plan
 
 CORE_SOURCES = ("paged_decode.cpp", "decode_layer.cpp", "rescore.cpp")
+NATIVE_DTYPES = frozenset({torch.float32, torch.bfloat16})  # what the core ops take
 
 
 def core_library(tier: str) -> Library:
@@ -166,13 +168,33 @@ def set_batch_invariant(on: bool) -> None:
 
 
 def rescore_top() -> Callable | None:
-    """`kvchat::rescore_top`, or None where the kernels are not built."""
+    """`kvchat::rescore_top`, or None where the kernels are not built (`rescore` falls back then)."""
     return _core_op("rescore_top")
 
 
-def rms_norm() -> Callable | None:
-    """`kvchat::rms_norm`, or None where the kernels are not built."""
-    return _core_op("rms_norm")
+def rescore(logits: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, num_exact: int) -> None:
+    """The `num_exact` highest of each row of `logits` (M, V) computed again, in place, from `weight`
+    (V, K) and `hidden` (M, K): kvchat::rescore_top on CPU bf16/fp32 where built (it may take more than
+    `num_exact`, alike for every row), else torch's top-k, gather and products."""
+    op = rescore_top() if logits.device.type == "cpu" else None
+    if op is not None and {logits.dtype, weight.dtype} <= NATIVE_DTYPES:
+        op(logits, weight, hidden.to(weight.dtype), num_exact)
+        return
+    top = logits.topk(num_exact, dim=-1, sorted=False).indices  # (M, n)
+    rows = weight.index_select(0, top.reshape(-1)).view(*top.shape, -1)  # (M, n, K)
+    exact = torch.bmm(rows, hidden.to(rows.dtype).unsqueeze(-1)).squeeze(-1)  # (M, n)
+    logits.scatter_(1, top, exact.to(logits.dtype))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) in fp32, cast back to x's dtype, times the weight (the families'
+    RMSNorm): kvchat::rms_norm on CPU bf16/fp32 where built, else torch's fused kernel for the middle."""
+    native = x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in NATIVE_DTYPES
+    op = _core_op("rms_norm") if native else None
+    if op is not None:
+        return op(x, weight, eps)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * normed.to(x.dtype)
 
 
 def paged_attention() -> Callable | None:
