@@ -27,8 +27,14 @@
 
 namespace {
 
-// GCC/Clang vector extensions: one 16-float vector is a zmm register with AVX-512, two ymm with AVX2.
+// GCC/Clang vector extensions: a vector of 16 floats, one zmm register, with AVX-512; of 8 otherwise,
+// one ymm with AVX2 (two xmm with SSE2, two q with NEON), so a tier of 16 vector registers holds a key
+// row and the query's where 16 lanes would take two or four each and spill.
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 typedef float floatv __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint16_t halfv __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t wordv __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -104,6 +110,7 @@ inline void join_pairs(float* x, int64_t n) {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
+#if defined(__AVX512F__)
 inline float sum(floatv v) {
   // a tree of lane shuffles: 4 adds, where a lane-by-lane sum takes 15 dependent ones
   v += SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -115,7 +122,7 @@ inline float sum(floatv v) {
 
 // The lane sums of 16 vectors as one vector, sum(v[t]) in lane t: four rounds of pairing, each adding
 // the halves of two vectors laid side by side (15 adds for 16 sums, where one sum at a time takes 4).
-inline floatv sums16(floatv* v) {
+inline floatv lane_sums(floatv* v) {
   for (int i = 0; i < 8; ++i)
     v[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            SHUFFLE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -130,6 +137,26 @@ inline floatv sums16(floatv* v) {
   // the rounds leave position t in the lane of t's bits reversed
   return SHUFFLE(sums, sums, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
+#else
+inline float sum(floatv v) {
+  v += SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
+
+// The lane sums of 8 vectors as one vector, as above in three rounds.
+inline floatv lane_sums(floatv* v) {
+  for (int i = 0; i < 4; ++i)
+    v[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    v[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           SHUFFLE(v[2 * i], v[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  floatv sums = SHUFFLE(v[0], v[1], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(v[0], v[1], 1, 9, 3, 11, 5, 13, 7, 15);
+  return SHUFFLE(sums, sums, 0, 4, 2, 6, 1, 5, 3, 7);
+}
+#endif
 
 // A row is C vectors (head_dim = C * kLanes); NG query heads at a time, held in registers.
 
@@ -148,7 +175,7 @@ void scores_group(const float* q, const T* const* rows, int64_t count, float* sc
       for (int c = 0; c < C; ++c)
         for (int g = 0; g < NG; ++g) acc[g][i] += qv[g][c] * k[c];
     }
-    for (int g = 0; g < NG; ++g) store(scores + g * stride + t, sums16(acc[g]));
+    for (int g = 0; g < NG; ++g) store(scores + g * stride + t, lane_sums(acc[g]));
   }
   for (; t < count; ++t) {
     floatv k[C], one[NG] = {};
@@ -176,10 +203,17 @@ void mix_group(const float* probs, int64_t stride, const T* const* rows, int64_t
     for (int c = 0; c < C; ++c) store(out + (g * C + c) * kLanes, acc[g][c]);
 }
 
+// Query heads a pass takes, as many as the vector registers hold beside a row of C vectors: 32 zmm
+// with AVX-512, 16 registers otherwise.
+constexpr int heads_at_once(int C) {
+  if (kLanes == 16) return C <= 4 ? 4 : C <= 8 ? 2 : 1;
+  return C <= 2 ? 4 : C <= 4 ? 2 : 1;
+}
+
 // Every query head of a KV head, NG at a time (as many as registers hold), then the rest.
 template <typename T, int C>
 void scores_rows(const float* q, int64_t G, const T* const* rows, int64_t count, float* scores, int64_t stride) {
-  constexpr int NG = C <= 4 ? 4 : C <= 8 ? 2 : 1;
+  constexpr int NG = heads_at_once(C);
   int64_t g = 0;
   for (; g + NG <= G; g += NG) scores_group<T, C, NG>(q + g * C * kLanes, rows, count, scores + g * stride, stride);
   switch (G - g) {
@@ -192,7 +226,7 @@ void scores_rows(const float* q, int64_t G, const T* const* rows, int64_t count,
 
 template <typename T, int C>
 void mix_rows(const float* probs, int64_t stride, int64_t G, const T* const* rows, int64_t count, float* out) {
-  constexpr int NG = C <= 4 ? 4 : C <= 8 ? 2 : 1;
+  constexpr int NG = heads_at_once(C);
   int64_t g = 0;
   for (; g + NG <= G; g += NG) mix_group<T, C, NG>(probs + g * stride, stride, rows, count, out + g * C * kLanes);
   switch (G - g) {
@@ -237,12 +271,13 @@ struct HeadRows {
 // has no vector path (the rows then go element by element).
 template <typename F>
 void by_head_size(int64_t D, F&& f) {
-  switch (D) {
-    case 16: f(std::integral_constant<int, 1>{}); break;
-    case 32: f(std::integral_constant<int, 2>{}); break;
-    case 64: f(std::integral_constant<int, 4>{}); break;
-    case 128: f(std::integral_constant<int, 8>{}); break;
-    case 256: f(std::integral_constant<int, 16>{}); break;
+  switch (D % kLanes ? 0 : D / kLanes) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 16: f(std::integral_constant<int, 16>{}); break;
+    case 32: f(std::integral_constant<int, 32>{}); break;
     default: f(std::integral_constant<int, 0>{});
   }
 }
@@ -351,7 +386,8 @@ void normalize(float* s, int64_t seen) {
     float rest[kLanes];
     std::fill(rest, rest + kLanes, top);
     std::copy(s + t, s + seen, rest);
-    const maskv index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    maskv index;
+    for (int l = 0; l < kLanes; ++l) index[l] = l;
     const floatv e = index < static_cast<int32_t>(seen - t) ? exp_lanes(load(rest) - top) : floatv{};
     store(rest, e);
     std::copy(rest, rest + (seen - t), s + t);
