@@ -16,8 +16,10 @@ KVCHAT_CPU_TIER set to TIER (none: the highest the CPU runs). Each process loads
 SmolLM2-135M in each kind (bf16, then `--quantize`'s mode), one thread, and measures greedy decode
 tok/s after ~50 and ~4,000 tokens of context (scripts/bench_trees.py's worker). llama-bench reads the
 packaged model's own values as BF16, Q8_0 and Q4_1 files (scripts/peer_gguf.py), one thread, at the
-same depths. The variants take turns, rounds alternating their order; the table gives each variant's
-median and its median ratio to `--baseline` (above 1: faster than it).
+same depths. With `--model big`, both take a random-weight model of Qwen2.5-3B's shapes instead (its
+GGUF files BF16, Q8_0 and Q4_K, written once as bench_peer.py writes them: 11 GB; int4 against Q4_K,
+both 4.5 bits a weight). The variants take turns, rounds alternating their order; the table gives each
+variant's median and its median ratio to `--baseline` (above 1: faster than it).
 """
 
 from __future__ import annotations
@@ -33,24 +35,29 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TREES = HERE / "bench_trees.py"
 LLAMA_TYPES = {"bf16": "BF16", "bf16-int8": "Q8_0", "bf16-int4": "Q4_1", "fp32": "F32"}
+# the 3B shapes' int4 takes 4.5 bits a weight, as Q4_K does (docs/benchmarks.md)
+BIG_LLAMA_TYPES = {"bf16": "BF16", "bf16-int8": "Q8_0", "bf16-int4": "Q4_K"}
 
 
-def kvchat_rates(tree: Path, tier: str | None, kind: str, measures: list[str], tokens: int) -> dict:
+def kvchat_rates(
+    tree: Path, tier: str | None, kind: str, measures: list[str], tokens: int, big: bool
+) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
     env.pop("KVCHAT_CPU_TIER", None)
     if tier:
         env["KVCHAT_CPU_TIER"] = tier
     command = [sys.executable, str(TREES), "--worker", kind, "--tokens", str(tokens), "--repeats", "2"]
+    command += ["--big"] if big else []
     done = subprocess.run([*command, "--measures", *measures], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{tree}@{tier} {kind}: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def llama_rates(binary: Path, kind: str, measures: list[str], tokens: int) -> dict[str, float]:
-    from peer_gguf import packaged_as
+def llama_rates(binary: Path, kind: str, measures: list[str], tokens: int, big: bool) -> dict[str, float]:
+    from peer_gguf import big_path, packaged_as
 
-    path = packaged_as(LLAMA_TYPES[kind])
+    path = big_path(BIG_LLAMA_TYPES[kind]) if big else packaged_as(LLAMA_TYPES[kind])
     rates = {}
     for name in measures:
         depth = name.partition("@")[2]
@@ -58,6 +65,18 @@ def llama_rates(binary: Path, kind: str, measures: list[str], tokens: int) -> di
         done = subprocess.run([*command, "-r", "2", "-o", "json"], capture_output=True, text=True, check=True)
         rates[name] = float(json.loads(done.stdout)[0]["avg_ts"])
     return rates
+
+
+def write_big_files(types: list[str]) -> None:
+    """The 3B-shaped model's GGUF files llama-bench reads, written once (bench_peer.py's)."""
+    from peer_gguf import big_path, write_big
+    from peer_runners import make_big_model
+
+    missing = [name for name in types if not big_path(name).is_file()]
+    if missing:
+        model = make_big_model("bf16")
+        for name in missing:
+            write_big(name, model)
 
 
 def main() -> None:
@@ -70,16 +89,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="decoded tokens a timed run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", help="the variant ratios are taken to (default: the first)")
+    parser.add_argument("--model", choices=["smollm2", "big"], default="smollm2")
     args = parser.parse_args()
+    big = args.model == "big"
+    if big and args.llama_bench:
+        write_big_files([BIG_LLAMA_TYPES[kind] for kind in args.kinds])
     runners = {}
     for spec in args.variants:
         label, _, where = spec.partition("=")
         tree, _, tier = where.partition("@")
         runners[label] = lambda kind, tree=Path(tree), tier=tier or None: kvchat_rates(
-            tree, tier, kind, args.measures, args.tokens
+            tree, tier, kind, args.measures, args.tokens, big
         )
     if args.llama_bench:
-        runners["llama"] = lambda kind: llama_rates(args.llama_bench, kind, args.measures, args.tokens)
+        runners["llama"] = lambda kind: llama_rates(args.llama_bench, kind, args.measures, args.tokens, big)
     baseline = args.baseline or next(iter(runners))
     runs: dict[tuple[str, str], list[dict[str, float]]] = {(k, v): [] for k in args.kinds for v in runners}
     for number in range(args.rounds):

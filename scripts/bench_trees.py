@@ -26,8 +26,9 @@ HERE = Path(__file__).resolve().parent.parent
 MEASURES = ("decode@50", "decode@2000", "decode@4000", "prefill@50", "prefill@2000")
 
 
-def worker(kind: str, measures: list[str], tokens: int, repeats: int) -> dict[str, float]:
-    """One process's `measures` for one kind, with whichever kvchat is on the path."""
+def worker(kind: str, measures: list[str], tokens: int, repeats: int, big: bool = False) -> dict[str, float]:
+    """One process's `measures` for one kind, with whichever kvchat is on the path; on the packaged
+    SmolLM2-135M, or with `big` on a random-weight model of Qwen2.5-3B's shapes (peer_runners.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -37,10 +38,16 @@ def worker(kind: str, measures: list[str], tokens: int, repeats: int) -> dict[st
 
     torch.set_num_threads(1)
     dtype, _, mode = kind.partition("-")
-    model = AutoModelForCausalLM.from_pretrained(
-        ensure_converted(), dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    ).eval()
-    if mode:
+    if big:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from peer_runners import make_big_model
+
+        model = make_big_model(kind)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            ensure_converted(), dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        ).eval()
+    if mode and not big:
         from kvchat.models.quantize import quantize_model
 
         quantize_model(model, mode)
@@ -105,9 +112,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48, help="decoded tokens a timed run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--big", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.measures, args.tokens, args.repeats)))
+        print(json.dumps(worker(args.worker, args.measures, args.tokens, args.repeats, args.big)))
         return
     if args.other is None:
         parser.error("--other is required")
