@@ -87,6 +87,9 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker()))
         return
+    from bench_common import machine
+
+    print(machine())
     variants = {}
     for spec in args.variants:
         label, _, where = spec.partition("=")

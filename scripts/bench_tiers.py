@@ -94,6 +94,9 @@ def main() -> None:
     big = args.model == "big"
     if big and args.llama_bench:
         write_big_files([BIG_LLAMA_TYPES[kind] for kind in args.kinds])
+    from bench_common import machine
+
+    print(machine())
     runners = {}
     for spec in args.variants:
         label, _, where = spec.partition("=")
