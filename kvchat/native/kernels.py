@@ -1,5 +1,8 @@
-"""Builds and registers kvchat's C++ kernels (`torch.ops.kvchat`), and gives each op or None (the
-one seam the engine and the linear layers ask; none of them checks a build). Every tier builds:
+"""Builds and registers kvchat's C++ kernels (`torch.ops.kvchat`): the one seam the engine and the
+linear layers ask, none of them checking a build. Where torch computes the same thing, the op runs with
+its fallback beside it (`rms_norm`, `rescore`); where the fallback is another layout or another path
+(the linear layers' weights, attention by gather, the decoder layers looped in Python), it gives the op
+or None and the caller keeps its other path. Every tier builds:
 - paged_decode.cpp: attention over the paged pool that reads each past row once in place
   (`paged_attention`, `paged_attention_rows`; engine/native_attention.py and the lean decode step
   use them);
@@ -7,7 +10,7 @@ one seam the engine and the linear layers ask; none of them checks a build). Eve
   `rope_write`, `silu_mul`), and every decoder layer of a model in one (`decoder_layers`);
   engine/decode_step.py uses them;
 - rescore.cpp: the highest logits of a rescored output layer computed again from the exact weight
-  (`rescore_top`; linears/rescored_head.py uses it).
+  (`rescore_top`; linears/rescored_head.py runs it through `rescore`).
 And each tier its linear layers (`bf16_linear`, `fp32_linear`, `int8_linear`, `int4_linear`; the
 layers of kvchat/linears use them), at the machine's read bandwidth for one row of input, one order
 of sums for any number of rows:
