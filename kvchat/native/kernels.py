@@ -48,11 +48,13 @@ CORE_SOURCES = ("paged_decode.cpp", "decode_layer.cpp", "rescore.cpp")
 NATIVE_DTYPES = frozenset({torch.float32, torch.bfloat16})  # what the core ops take
 
 
+@functools.cache
 def core_library(tier: str) -> Library:
     """The kernels every start loads, compiled with the tier's flags."""
     return Library(f"kernels_{tier}", CORE_SOURCES, tiers.flags(tier))
 
 
+@functools.cache
 def linear_library(tier: str) -> Library | None:
     """The tier's linear kernels; None for the portable tier (torch's run instead)."""
     sources, flags = tiers.SOURCES.get(tier), tiers.flags(tier)
