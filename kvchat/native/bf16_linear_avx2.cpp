@@ -53,9 +53,11 @@ inline __m256 widen(const uint16_t* p) {  // 8 bf16 values as fp32
 }
 
 // A tile's 16 sums plus their bias, rounded to bf16, then plus the residual and rounded again.
-__attribute__((always_inline)) inline void finish(__m256 low, __m256 high, const float* bias, const uint16_t* residual, uint16_t* out) {
+__attribute__((always_inline)) inline void finish(__m256 low, __m256 high, const float* bias,
+                                                  const uint16_t* residual, uint16_t* out) {
   for (int h = 0; h < 2; ++h) {
-    __m128i rounded = to_bf16(_mm256_add_ps(h ? high : low, bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps()));
+    const __m256 offset = bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps();
+    __m128i rounded = to_bf16(_mm256_add_ps(h ? high : low, offset));
     if (residual) {
       const __m256 value = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(rounded), 16));
       rounded = to_bf16(_mm256_add_ps(value, widen(residual + 8 * h)));

@@ -170,7 +170,7 @@ struct Params {
 // quantized_linear.cpp's int4_tile: a span's dot products at their input scales summed in fp32, then
 // times the span's scales, plus its offsets (zero - 8 scale) times the span's exact input sum; nested
 // params summed over the row with their codes, then times the rows' scales and lows once. Each tile's
-// codes are prefetched `ahead` bytes on (one row streams several tiles; several rows take one).
+// codes are prefetched kAheadBytes on (one row streams several tiles; several rows take one).
 template <int B, int T>
 void int4_tiles(const uint8_t* codes, const uint8_t* params, const Params& kind, int64_t groups,
                 const QuantizedInput& x, int64_t first_row, float* out, int64_t out_stride) {
@@ -272,7 +272,7 @@ void int8_tile(const uint8_t* codes, const uint16_t* row_scales, int64_t groups,
 // and tiles as compile-time constants.
 template <int Streams, typename Tile>
 at::Tensor by_tiles(const at::Tensor& x, int64_t tiles, Tile&& tile) {
-  using Rows = std::integral_constant<int, 1>;
+  using One = std::integral_constant<int, 1>;
   const int64_t rows = x.size(0), width = tiles * kRows;
   const QuantizedInput q = quantize_input(x);
   at::Tensor out = at::empty({rows, width}, x.options().dtype(at::kFloat));
@@ -280,16 +280,16 @@ at::Tensor by_tiles(const at::Tensor& x, int64_t tiles, Tile&& tile) {
   at::parallel_for(0, tiles, rows == 1 ? Streams : 1, [&](int64_t begin, int64_t end) {
     int64_t t = begin;
     if (rows == 1)
-      for (; t + Streams <= end; t += Streams) tile(Rows{}, std::integral_constant<int, Streams>{}, t, q, 0, o + t * kRows, width);
+      for (; t + Streams <= end; t += Streams)
+        tile(One{}, std::integral_constant<int, Streams>{}, t, q, 0, o + t * kRows, width);
     for (; t < end; ++t)
       for (int64_t b = 0; b < rows; b += kBatch) {
-        const auto one = std::integral_constant<int, 1>{};
         float* to = o + b * width + t * kRows;
         switch (std::min(kBatch, rows - b)) {
-          case 4: tile(std::integral_constant<int, 4>{}, one, t, q, b, to, width); break;
-          case 3: tile(std::integral_constant<int, 3>{}, one, t, q, b, to, width); break;
-          case 2: tile(std::integral_constant<int, 2>{}, one, t, q, b, to, width); break;
-          default: tile(one, one, t, q, b, to, width); break;
+          case 4: tile(std::integral_constant<int, 4>{}, One{}, t, q, b, to, width); break;
+          case 3: tile(std::integral_constant<int, 3>{}, One{}, t, q, b, to, width); break;
+          case 2: tile(std::integral_constant<int, 2>{}, One{}, t, q, b, to, width); break;
+          default: tile(One{}, One{}, t, q, b, to, width); break;
         }
       }
   });
