@@ -187,10 +187,11 @@ void scores_group(const float* q, const T* const* rows, int64_t count, float* sc
 }
 
 template <typename T, int C, int NG>
-void mix_group(const float* probs, int64_t stride, const T* const* rows, int64_t count, float* out) {
+void mix_group(const float* probs, int64_t stride, const T* const* rows, int64_t count, float* out,
+               int64_t head_floats) {
   floatv acc[NG][C];
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = load(out + (g * C + c) * kLanes);
+    for (int c = 0; c < C; ++c) acc[g][c] = load(out + g * head_floats + c * kLanes);
   for (int64_t t = 0; t < count; ++t) {
     floatv v[C];
     load_row<T, C>(rows[t], v);
@@ -200,7 +201,7 @@ void mix_group(const float* probs, int64_t stride, const T* const* rows, int64_t
     }
   }
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < C; ++c) store(out + (g * C + c) * kLanes, acc[g][c]);
+    for (int c = 0; c < C; ++c) store(out + g * head_floats + c * kLanes, acc[g][c]);
 }
 
 // Query heads a pass takes, as many as the vector registers hold beside a row of C vectors: 32 zmm
@@ -226,14 +227,28 @@ void scores_rows(const float* q, int64_t G, const T* const* rows, int64_t count,
 
 template <typename T, int C>
 void mix_rows(const float* probs, int64_t stride, int64_t G, const T* const* rows, int64_t count, float* out) {
-  constexpr int NG = heads_at_once(C);
-  int64_t g = 0;
-  for (; g + NG <= G; g += NG) mix_group<T, C, NG>(probs + g * stride, stride, rows, count, out + g * C * kLanes);
-  switch (G - g) {
-    case 3: mix_group<T, C, 3>(probs + g * stride, stride, rows, count, out + g * C * kLanes); break;
-    case 2: mix_group<T, C, 2>(probs + g * stride, stride, rows, count, out + g * C * kLanes); break;
-    case 1: mix_group<T, C, 1>(probs + g * stride, stride, rows, count, out + g * C * kLanes); break;
-    default: break;
+  // rows of more than 8 vectors in parts of 8, each part's sums held in registers over every position
+  // (16 sums and a row of 16 vectors spilled on AVX2); each value is still summed over the positions in
+  // order, so the part changes no bit
+  constexpr int P = C > 8 ? 8 : C;
+  constexpr int NG = heads_at_once(P);
+  const T* part_rows[kTile];
+  for (int part = 0; part < C / P; ++part) {
+    const T* const* at = rows;
+    if constexpr (P < C) {
+      for (int64_t t = 0; t < count; ++t) part_rows[t] = rows[t] + part * P * kLanes;
+      at = part_rows;
+    }
+    float* o = out + part * P * kLanes;
+    constexpr int64_t head = C * kLanes;  // floats between two heads' outputs
+    int64_t g = 0;
+    for (; g + NG <= G; g += NG) mix_group<T, P, NG>(probs + g * stride, stride, at, count, o + g * head, head);
+    switch (G - g) {
+      case 3: mix_group<T, P, 3>(probs + g * stride, stride, at, count, o + g * head, head); break;
+      case 2: mix_group<T, P, 2>(probs + g * stride, stride, at, count, o + g * head, head); break;
+      case 1: mix_group<T, P, 1>(probs + g * stride, stride, at, count, o + g * head, head); break;
+      default: break;
+    }
   }
 }
 
