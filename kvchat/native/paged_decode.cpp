@@ -225,12 +225,21 @@ void scores_rows(const float* q, int64_t G, const T* const* rows, int64_t count,
   }
 }
 
+// Vectors of a value row one pass of mix_rows takes: with AVX2, 8 (its sums and the row's values fill
+// the 16 registers: heads of 128 mixed 1.07-1.12x faster in parts); with AVX-512 the whole row fits
+// its 32 registers; with SSE2 (the portable tier) parts were measured slower, so the whole row too.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int kMixVectors = 8;
+#else
+constexpr int kMixVectors = 64;
+#endif
+
 template <typename T, int C>
 void mix_rows(const float* probs, int64_t stride, int64_t G, const T* const* rows, int64_t count, float* out) {
-  // rows of more than 8 vectors in parts of 8, each part's sums held in registers over every position
-  // (16 sums and a row of 16 vectors spilled on AVX2); each value is still summed over the positions in
-  // order, so the part changes no bit
-  constexpr int P = C > 8 ? 8 : C;
+  // on AVX2, rows of more than 8 vectors in parts of 8, each part's sums held in registers over every
+  // position (16 sums and a row of 16 vectors spilled); each value is still summed over the positions
+  // in order, so the parts change no bit
+  constexpr int P = C > kMixVectors ? kMixVectors : C;
   constexpr int NG = heads_at_once(P);
   const T* part_rows[kTile];
   for (int part = 0; part < C / P; ++part) {
