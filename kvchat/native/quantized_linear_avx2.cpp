@@ -40,28 +40,31 @@ constexpr int64_t kBatch = 4;                       // input rows a pass over a 
 constexpr int kInt4Streams = 2;                     // int4 tiles one input row streams at once
 constexpr int64_t kAheadBytes = 2048;               // how far ahead a tile's codes are prefetched
 
-// The input's rows quantized per group: 256 code + residue as int16 (M, K), and the codes and residues
-// apart as int8; per group its scale, its exact sum, and the sum of its int16 values (int8's offset).
+// The input's rows quantized per group, each value to a code and what it leaves (the residue), as
+// each kernel takes them: int8's as one int16 (256 code + residue) (M, K) with each group's sum of
+// them (its offset); int4's as int8 codes and residues apart (M, K) with each group's exact sum. Both
+// take each group's scale; the other kernel's tensors stay undefined.
 struct QuantizedInput {
-  at::Tensor values, codes, residues, scales, sums, value_sums;
+  at::Tensor values, value_sums;  // int8's
+  at::Tensor codes, residues, sums;  // int4's
+  at::Tensor scales;
 };
 
-QuantizedInput quantize_input(const at::Tensor& x) {
+QuantizedInput quantize_input(const at::Tensor& x, bool int4) {
   const int64_t rows = x.size(0), inputs = x.size(1), groups = inputs / kGroup;
   const at::Tensor in = x.to(at::kFloat).contiguous();
-  QuantizedInput q{at::empty({rows, inputs}, x.options().dtype(at::kShort)),
-                   at::empty({rows, inputs}, x.options().dtype(at::kChar)),
-                   at::empty({rows, inputs}, x.options().dtype(at::kChar)),
-                   at::empty({rows, groups}, x.options().dtype(at::kFloat)),
-                   at::empty({rows, groups}, x.options().dtype(at::kFloat)),
-                   at::empty({rows, groups}, x.options().dtype(at::kInt))};
+  const auto of = [&](int64_t n, at::ScalarType type) { return at::empty({rows, n}, x.options().dtype(type)); };
+  QuantizedInput q;
+  q.scales = of(groups, at::kFloat);
+  if (int4) q.codes = of(inputs, at::kChar), q.residues = of(inputs, at::kChar), q.sums = of(groups, at::kFloat);
+  else q.values = of(inputs, at::kShort), q.value_sums = of(groups, at::kInt);
   const float* v = in.const_data_ptr<float>();
-  int16_t* values = q.values.mutable_data_ptr<int16_t>();
-  int8_t* codes = q.codes.mutable_data_ptr<int8_t>();
-  int8_t* residues = q.residues.mutable_data_ptr<int8_t>();
   float* scales = q.scales.mutable_data_ptr<float>();
-  float* sums = q.sums.mutable_data_ptr<float>();
-  int32_t* value_sums = q.value_sums.mutable_data_ptr<int32_t>();
+  int8_t* codes = int4 ? q.codes.mutable_data_ptr<int8_t>() : nullptr;
+  int8_t* residues = int4 ? q.residues.mutable_data_ptr<int8_t>() : nullptr;
+  float* sums = int4 ? q.sums.mutable_data_ptr<float>() : nullptr;
+  int16_t* values = int4 ? nullptr : q.values.mutable_data_ptr<int16_t>();
+  int32_t* value_sums = int4 ? nullptr : q.value_sums.mutable_data_ptr<int32_t>();
   for (int64_t g = 0; g < rows * groups; ++g) {
     const float* group = v + g * kGroup;
     float largest = 0.0f, sum = 0.0f;
@@ -71,16 +74,19 @@ QuantizedInput quantize_input(const at::Tensor& x) {
     }
     const float scale = largest / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
     int32_t total = 0;
-    for (int64_t i = 0; i < kGroup; ++i) {
+    for (int64_t i = 0, at = g * kGroup; i < kGroup; ++i, ++at) {
       const float scaled = group[i] * inverse, code = std::nearbyint(scaled);
       const float residue = std::min(std::nearbyint((scaled - code) * 256.0f), 127.0f);  // within +-128
-      const int32_t value = 256 * static_cast<int32_t>(code) + static_cast<int32_t>(residue);
-      values[g * kGroup + i] = static_cast<int16_t>(value);
-      codes[g * kGroup + i] = static_cast<int8_t>(code);
-      residues[g * kGroup + i] = static_cast<int8_t>(residue);
-      total += value;
+      if (int4) {
+        codes[at] = static_cast<int8_t>(code), residues[at] = static_cast<int8_t>(residue);
+      } else {
+        const int32_t value = 256 * static_cast<int32_t>(code) + static_cast<int32_t>(residue);
+        values[at] = static_cast<int16_t>(value), total += value;
+      }
     }
-    scales[g] = scale, sums[g] = sum, value_sums[g] = total;
+    scales[g] = scale;
+    if (int4) sums[g] = sum;
+    else value_sums[g] = total;
   }
   return q;
 }
@@ -271,10 +277,10 @@ void int8_tile(const uint8_t* codes, const uint16_t* row_scales, int64_t groups,
 // Streams tiles at once (then one at a time): tile(rows, tiles, t, q, first_row, out, width) with rows
 // and tiles as compile-time constants.
 template <int Streams, typename Tile>
-at::Tensor by_tiles(const at::Tensor& x, int64_t tiles, Tile&& tile) {
+at::Tensor by_tiles(const at::Tensor& x, bool int4, int64_t tiles, Tile&& tile) {
   using One = std::integral_constant<int, 1>;
   const int64_t rows = x.size(0), width = tiles * kRows;
-  const QuantizedInput q = quantize_input(x);
+  const QuantizedInput q = quantize_input(x, int4);
   at::Tensor out = at::empty({rows, width}, x.options().dtype(at::kFloat));
   float* o = out.mutable_data_ptr<float>();
   at::parallel_for(0, tiles, rows == 1 ? Streams : 1, [&](int64_t begin, int64_t end) {
@@ -304,7 +310,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const Params kind{static_cast<const uint8_t*>(params.const_data_ptr()), nested, spans};
   const uint8_t* c = codes.const_data_ptr<uint8_t>();
   return by_tiles<kInt4Streams>(
-      x, tiles, [&](auto rows, auto span, int64_t t, const QuantizedInput& q, int64_t b, float* to, int64_t width) {
+      x, true, tiles, [&](auto rows, auto span, int64_t t, const QuantizedInput& q, int64_t b, float* to, int64_t width) {
         int4_tiles<decltype(rows)::value, decltype(span)::value>(c + t * groups * kCodeBytes,
                                                                  kind.p + t * kind.tile_bytes(), kind, groups, q, b,
                                                                  to, width);
@@ -316,8 +322,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t tiles = codes.size(0), groups = codes.size(1);
   const uint8_t* c = codes.const_data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::BFloat16>());
-  return by_tiles<1>(x, tiles, [&](auto rows, auto, int64_t t, const QuantizedInput& q, int64_t b, float* to,
-                                   int64_t width) {
+  return by_tiles<1>(x, false, tiles, [&](auto rows, auto, int64_t t, const QuantizedInput& q, int64_t b,
+                                          float* to, int64_t width) {
     int8_tile<decltype(rows)::value>(c + t * groups * kByteCodes, s + t * kRows, groups, q, b, to, width);
   });
 }
