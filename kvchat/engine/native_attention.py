@@ -16,8 +16,6 @@ import torch
 
 from kvchat.native import kernels
 
-DTYPES = frozenset({torch.float32, torch.bfloat16})
-
 
 def paged_attention() -> Callable | None:
     """The few-tokens op, or None where the kernels cannot be built (see `build_error`)."""
@@ -31,7 +29,7 @@ def build_error() -> str | None:
 
 def takes(pool_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernels serve a pool of this dtype on this device."""
-    return device.type == "cpu" and pool_dtype in DTYPES
+    return device.type == "cpu" and pool_dtype in kernels.NATIVE_DTYPES
 
 
 def for_pool(pool_dtype: torch.dtype, device: torch.device) -> Callable | None:
