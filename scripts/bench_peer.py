@@ -34,8 +34,15 @@ import time
 
 import torch
 from bench_common import machine
-from peer_gguf import big_path, packaged_as, write_big
-from peer_runners import KvchatRunner, LlamaRunner, Runner, make_big_model, make_kvchat_models
+from peer_gguf import big_path, packaged_as
+from peer_runners import (
+    KvchatRunner,
+    LlamaRunner,
+    Runner,
+    make_big_model,
+    make_kvchat_models,
+    write_big_files,
+)
 from transformers import AutoTokenizer
 
 from kvchat.models.packaged import ensure_converted
@@ -173,12 +180,7 @@ def run_big(args) -> None:
     weights in both), each llama.cpp type measured right after the kvchat kind of its bytes."""
     kinds = [k for k in BIG_KINDS if k == "bf16" or f"kvchat-{k}" in args.variants]
     types = [t for t in BIG_TYPES if f"llama-{t}" in args.variants]
-    missing = [t for t in types if not big_path(t).is_file()]
-    if missing:
-        model = make_big_model("bf16")
-        for type_name in missing:
-            write_big(type_name, model)
-        del model
+    write_big_files(types)
     order = []
     for kind in kinds:
         order.append(f"kvchat-{kind}")

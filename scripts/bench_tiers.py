@@ -67,18 +67,6 @@ def llama_rates(binary: Path, kind: str, measures: list[str], tokens: int, big: 
     return rates
 
 
-def write_big_files(types: list[str]) -> None:
-    """The 3B-shaped model's GGUF files llama-bench reads, written once (bench_peer.py's)."""
-    from peer_gguf import big_path, write_big
-    from peer_runners import make_big_model
-
-    missing = [name for name in types if not big_path(name).is_file()]
-    if missing:
-        model = make_big_model("bf16")
-        for name in missing:
-            write_big(name, model)
-
-
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -93,6 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     big = args.model == "big"
     if big and args.llama_bench:
+        from peer_runners import write_big_files
+
         write_big_files([BIG_LLAMA_TYPES[kind] for kind in args.kinds])
     from bench_common import machine
 

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 from bench_common import DTYPES, QWEN25_3B
-from peer_gguf import BIG_SEED, weight_bytes
+from peer_gguf import BIG_SEED, big_path, weight_bytes, write_big
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kvchat.engine.detokenizer import StreamDetokenizer
@@ -69,6 +69,16 @@ def make_big_model(kind: str, device: str = "cpu"):
         with torch.device(device):
             model.model.rotary_emb.__init__(config)  # its buffers were left empty by to_empty
     return apply_kind(model, kind)
+
+
+def write_big_files(types: list[str]) -> None:
+    """The 3B-shaped model's GGUF files of these llama.cpp types (peer_gguf.write_big), where missing:
+    the model is made once for all of them."""
+    missing = [name for name in types if not big_path(name).is_file()]
+    if missing:
+        model = make_big_model("bf16")
+        for name in missing:
+            write_big(name, model)
 
 
 def model_bytes(model) -> int:
