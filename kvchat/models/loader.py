@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
-import huggingface_hub
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -20,11 +18,12 @@ from transformers import (
 )
 
 from kvchat import cache_files
-from kvchat.errors import KvchatError, ModelLoadError
+from kvchat.errors import ModelLoadError
 from kvchat.models import quantized_cache
 from kvchat.models.device import apply_threads, choose_device, choose_dtype
 from kvchat.models.gguf import Conversion, converted_gguf_dir, ensure_gguf_converted, is_converted
 from kvchat.models.gguf_quant import GGUFInt4Layers
+from kvchat.models.hub_files import first_line, hub_is_cached, load_part
 from kvchat.models.packaged import packaged_gguf
 from kvchat.models.progress import ProgressCallback, quiet_transformers, report, tell
 from kvchat.models.quantize import QuantizeReport, quantize_model
@@ -45,7 +44,6 @@ __all__ = [
 
 # Config entries that change with the machine or the load options, not with the model.
 _VOLATILE_CONFIG_KEYS = frozenset({"dtype", "torch_dtype", "transformers_version"})
-_TRUE_WORDS = ("1", "true", "yes", "on")
 
 
 class ModelChoice(Protocol):
@@ -108,9 +106,9 @@ def prepare_model(settings: ModelChoice, progress: ProgressCallback | None = Non
     conversion = _conversion(source, progress)
     if conversion is not None:
         return _prepared_conversion(source, conversion, told, progress)
-    local_only = True if source.kind == "local" else _hub_is_cached(source.location)
+    local_only = True if source.kind == "local" else hub_is_cached(source.location)
     with quiet_transformers():
-        tokenizer = _load_part(AutoTokenizer, source.location, source, local_only)
+        tokenizer = load_part(AutoTokenizer, source.location, source, local_only)
     return PreparedModel(source, source.location, local_only, tokenizer, told)
 
 
@@ -125,7 +123,7 @@ def _prepared_conversion(
             return PreparedModel(source, None, True, conversion.tokenizer, told, conversion)
         try:
             with quiet_transformers():
-                tokenizer = _load_part(AutoTokenizer, str(conversion.folder), source, True)
+                tokenizer = load_part(AutoTokenizer, str(conversion.folder), source, True)
             return PreparedModel(source, str(conversion.folder), True, tokenizer, told, conversion)
         except ModelLoadError as exc:
             if attempt:
@@ -172,13 +170,13 @@ def load_model(
             model, prepared = _load_converted(prepared, dtype, progress)
         else:
             assert prepared.location is not None
-            model = _load_part(
+            model = load_part(
                 AutoModelForCausalLM, prepared.location, source, prepared.local_only, dtype=dtype
             )
     try:
         model.to(device)  # type: ignore[arg-type]  # transformers types `to` for a model argument
     except (RuntimeError, torch.OutOfMemoryError) as exc:
-        raise ModelLoadError(f"could not move {source.model_id} to {device}: {_first_line(exc)}") from exc
+        raise ModelLoadError(f"could not move {source.model_id} to {device}: {first_line(exc)}") from exc
     model.eval()
     report(progress, description, 1, 1)  # quantizing, a stage of its own, comes after
     # before quantizing: layers take kvchat's layout
@@ -215,7 +213,7 @@ def has_chat_template(gguf_path: Path) -> bool:
     try:
         return GGUFReader(gguf_path).get_field("tokenizer.chat_template") is not None
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"could not read {gguf_path}: {_first_line(exc)}") from exc
+        raise ModelLoadError(f"could not read {gguf_path}: {first_line(exc)}") from exc
 
 
 def _conversion(source: ModelSource, progress: ProgressCallback | None) -> Conversion | None:
@@ -242,7 +240,7 @@ def _load_converted(
             return model, replace(prepared, location=None, conversion=conversion)
         try:
             folder = str(conversion.folder)
-            model = _load_part(AutoModelForCausalLM, folder, prepared.source, True, dtype=dtype)
+            model = load_part(AutoModelForCausalLM, folder, prepared.source, True, dtype=dtype)
             return model, replace(prepared, location=str(conversion.folder), conversion=conversion)
         except ModelLoadError as exc:
             if attempt:
@@ -330,52 +328,3 @@ def compute_fingerprint(model_id: str, config: PretrainedConfig, quantize: str =
     if quantize != "none":
         text += f"\nquantize={quantize}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _load_part(loader, location: str, source: ModelSource, local_only: bool, **options: object):
-    """The tokenizer or the weights (`loader`'s from_pretrained) from `location`."""
-    try:
-        return loader.from_pretrained(location, local_files_only=local_only, **options)
-    except KvchatError:
-        raise
-    except Exception as exc:
-        problem = f"could not load {location}: {_first_line(exc)}"
-        if source.kind == "hub" and not local_only:
-            problem = _not_cached_message(location, f"downloading it failed: {problem}")
-        raise ModelLoadError(problem) from exc
-
-
-def _hub_is_cached(hub_id: str) -> bool:
-    """Whether a hub model loads from the HF cache; else check that it can be downloaded: one quick
-    request first, since a download without network retries for ~45 s before failing."""
-    cached = huggingface_hub.try_to_load_from_cache(hub_id, "config.json")
-    if isinstance(cached, str):
-        return True
-    if is_offline():
-        raise ModelLoadError(_not_cached_message(hub_id, "offline mode (HF_HUB_OFFLINE) is on"))
-    try:
-        huggingface_hub.model_info(hub_id, timeout=10)
-    except Exception as exc:
-        raise ModelLoadError(
-            _not_cached_message(hub_id, f"the hub did not answer ({_first_line(exc)})")
-        ) from exc
-    return False
-
-
-def is_offline() -> bool:
-    """True when the Hugging Face hub must not be contacted."""
-    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
-    return huggingface_hub.constants.HF_HUB_OFFLINE or any(flag.lower() in _TRUE_WORDS for flag in flags)
-
-
-def _not_cached_message(hub_id: str, reason: str) -> str:
-    return (
-        f"model {hub_id} is not in the Hugging Face cache and {reason}. Download it where there is "
-        f"network access (`hf download {hub_id}`, or `huggingface-cli download {hub_id}` with an older "
-        "huggingface_hub) and copy the cache over, or pass a local model folder with --model PATH"
-    )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
