@@ -15,7 +15,16 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.paged_attention import grouped_attention
 from kvchat.engine.sampling import SamplingParams
-from kvchat.linears.bf16_linears import PackedLinear, TiledLinear, can_pack, can_tile, pack_linears_
+from kvchat.linears.bf16_linears import (
+    PackedLinear,
+    TiledLinear,
+    UpcastLinear,
+    can_pack,
+    can_tile,
+    fallback_kind,
+    onednn_packs_bf16,
+    serve_bf16_linears_,
+)
 from kvchat.native import kernels
 from kvchat.native.kernels import has_cpp_compiler
 from tests.support.tiny_models import KINDS, make_tiny_model
@@ -105,7 +114,7 @@ def decode_logits(engine, prompt, steps):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
 @pytest.mark.parametrize("kernel", [True, False])
 def test_lean_step_equals_module_forward(kind, dtype, tol, kernel, monkeypatch):
-    """Lean step (with bf16 linears on kvchat's kernel, or packed for oneDNN where it is not built)
+    """Lean step (with bf16 linears on kvchat's kernel, else oneDNN's or UpcastLinear by what this CPU runs)
     against the module forward of an untouched twin model; single tokens attend through kvchat's
     kernel, or, where it is not built, over gathered runs."""
     if kernel and not has_cpp_compiler():
@@ -128,11 +137,12 @@ def test_lean_step_equals_module_forward(kind, dtype, tol, kernel, monkeypatch):
         lean_decode=False,
     )
     probe = nn.Linear(16, 16, dtype=dtype)
-    replaced = TiledLinear if can_tile(probe) else PackedLinear if can_pack(probe) else None
-    if dtype == torch.bfloat16 and replaced is not None:
+    replaced = TiledLinear if can_tile(probe) else fallback_kind(onednn_packs_bf16())
+    if dtype == torch.bfloat16:
         assert all(type(m) is not nn.Linear for m in lean_engine.model.modules())
         assert any(isinstance(m, replaced) for m in lean_engine.model.modules())
-    assert not any(isinstance(m, PackedLinear | TiledLinear) for m in plain_engine.model.modules())
+    served = PackedLinear | TiledLinear | UpcastLinear
+    assert not any(isinstance(m, served) for m in plain_engine.model.modules())
     lean, plain = decode_logits(lean_engine, prompt, steps), decode_logits(plain_engine, prompt, steps)
     torch.testing.assert_close(lean.float(), plain.float(), atol=tol, rtol=0)
     if dtype == torch.float32:
@@ -153,11 +163,59 @@ def test_packed_linear_equals_linear(num_rows, bias):
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1e-2)
 
 
-def test_only_exact_bf16_linears_are_packed():
+def test_only_exact_cpu_bf16_linears_are_served():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, dtype=torch.bfloat16), nn.Embedding(4, 8))
-    expected = 1 if can_pack(model[1]) else 0
-    assert pack_linears_(model) == expected
+    assert serve_bf16_linears_(model) == 1
     assert type(model[0]) is nn.Linear and type(model[2]) is nn.Embedding
+    assert type(model[1]) is fallback_kind(onednn_packs_bf16())
+
+
+def test_a_cpu_whose_onednn_takes_no_bf16_gets_upcast_linears():
+    """Which CPU answers what (AVX-512 or AVX-NE-CONVERT for oneDNN's bf16) is the machine's; the choice
+    made from each answer is tested here whatever this CPU is."""
+    assert fallback_kind(True) is PackedLinear
+    assert fallback_kind(False) is UpcastLinear
+    probe = torch.zeros(16, 16, dtype=torch.bfloat16)
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(probe, 1)
+        packs = True
+    except (RuntimeError, AttributeError):
+        packs = False
+    assert onednn_packs_bf16() == packs
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_upcast_linear_equals_the_fp32_product_rounded_once(num_rows, bias, monkeypatch):
+    from kvchat.linears import bf16_linears
+
+    monkeypatch.setattr(bf16_linears, "UPCAST_BLOCK_BYTES", 96 * 4 * 16)  # blocks of 16 of the 80 rows
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80, bias=bias, dtype=torch.bfloat16)
+    x = torch.randn(2, num_rows, 96, dtype=torch.bfloat16)
+    got = UpcastLinear.of(linear)(x)
+    assert got.shape == (2, num_rows, 80) and got.dtype == torch.bfloat16
+    wide = F.linear(x.float(), linear.weight.float(), None if not bias else linear.bias.float())
+    if 2 * num_rows >= bf16_linears.UPCAST_ROWS:
+        torch.testing.assert_close(got.float(), wide.to(torch.bfloat16).float(), atol=1e-2, rtol=8e-3)
+    else:
+        assert torch.equal(got, linear(x))  # torch's bf16 product, as the layer it replaced
+    assert UpcastLinear.of(linear).weight is linear.weight  # held once: a tied weight stays tied
+
+
+def test_the_lean_step_on_upcast_linears_equals_the_module_forward(monkeypatch):
+    """What a CPU without AVX-512 runs when kvchat's kernels are not built, on any CPU."""
+    from kvchat.linears import bf16_linears
+
+    monkeypatch.setattr(kernels, "_build", lambda: (False, "not built in this test"))
+    monkeypatch.setattr(bf16_linears, "onednn_packs_bf16", lambda: False)
+    prompt, steps = random_ids(37), random_ids(5, seed=2)
+    kwargs = {"kv_memory_bytes": 1 << 22, "block_size": 16, "prefill_chunk": 512}
+    lean_engine = Engine(make_tiny_model("llama", dtype=torch.bfloat16), **kwargs)
+    assert any(isinstance(m, UpcastLinear) for m in lean_engine.model.modules())
+    plain_engine = Engine(make_tiny_model("llama", dtype=torch.bfloat16), lean_decode=False, **kwargs)
+    lean, plain = decode_logits(lean_engine, prompt, steps), decode_logits(plain_engine, prompt, steps)
+    torch.testing.assert_close(lean.float(), plain.float(), atol=0.15, rtol=0)
 
 
 @pytest.mark.slow  # the real model

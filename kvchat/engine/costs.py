@@ -32,10 +32,12 @@ class VerifyCost:
 
 # Per decode path (Engine.verify_cost picks one): the lean step over oneDNN's bf16 product (also what
 # the module forward and a GPU are taken to cost), over kvchat's bf16 or fp32 kernels ("tiled"), over
-# MKL's fp32 product, and over kvchat's int4 and int8 kernels.
+# torch's bf16 product where oneDNN's takes no bf16 (UpcastLinear: a few rows cost nearly a token each;
+# measured on an AVX2-only AMD EPYC), over MKL's fp32 product, and over kvchat's int4 and int8 kernels.
 VERIFY_COSTS = {
     "lean": VerifyCost(1.0, 0.0, 0.03, 0.025),
     "lean-tiled": VerifyCost(1.0, 0.0, 0.2, 0.04),
+    "lean-upcast": VerifyCost(1.1, 0.0, 0.6, 0.03),
     "lean-fp32": VerifyCost(1.7, 0.0, 0.04, 0.015),
     "lean-fp32-tiled": VerifyCost(1.0, 0.0, 0.13, 0.015),
     "lean-int4": VerifyCost(1.0, 0.0, 0.265, 0.04),

@@ -19,7 +19,7 @@ from kvchat.engine.decode_step import MAX_LEAN_TOKENS, make_decode_step
 from kvchat.engine.forward_cache import ForwardCache, cache_argument
 from kvchat.engine.paged_attention import KVPool, PagedKV
 from kvchat.errors import CacheFullError
-from kvchat.linears.bf16_linears import TiledLinear, pack_linears_, tile_linears_
+from kvchat.linears.bf16_linears import TiledLinear, UpcastLinear, serve_bf16_linears_, tile_linears_
 from kvchat.linears.quantized_linears import Int4Linear, Int8Linear
 from kvchat.native import kernels
 
@@ -56,9 +56,9 @@ class Engine:
         self.model = model
         self.batch_invariant = batch_invariant
         kernels.set_batch_invariant(batch_invariant)
-        if lean_decode:  # bf16 and fp32 linears on kvchat's kernels, else bf16 on oneDNN's, in place
+        if lean_decode:  # bf16 and fp32 linears on kvchat's kernels, else bf16 on torch's, in place
             tile_linears_(model)
-            pack_linears_(model)
+            serve_bf16_linears_(model)
         self._decode_step = make_decode_step(model) if lean_decode else None
         self.block_size, self.prefill_chunk = block_size, prefill_chunk
         param = next(model.parameters())
@@ -86,6 +86,7 @@ class Engine:
         # kvchat's quantized kernels: a step's extra rows cost more of a token than bf16's (verify_cost)
         self._quantized = quantized_kernel(model)
         self._tiled = any(isinstance(m, TiledLinear) for m in model.modules())
+        self._upcast = any(isinstance(m, UpcastLinear) for m in model.modules())
 
     @property
     def decode_path(self) -> str:
@@ -118,6 +119,8 @@ class Engine:
             path = "lean-fp32-tiled" if self._tiled else "lean-fp32"
         elif self._decode_step is not None and self._tiled:
             path = "lean-tiled"
+        elif self._decode_step is not None and self._upcast:
+            path = "lean-upcast"
         else:
             path = "lean"
         cost, thousands = VERIFY_COSTS[path], context / 1000

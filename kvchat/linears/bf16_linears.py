@@ -7,7 +7,10 @@ row reads 5-11 GB/s; oneDNN's kernel on a weight reordered once for it (`PackedL
 kvchat's kernel (`TiledLinear`, native/bf16_linear.cpp) on its tiles of 16 rows streams a SmolLM2
 token's weights at 21-24 GB/s, and is as fast as oneDNN's GEMM on a 512-token prefill (on CPUs with
 AMX, where it runs several rows on the tile unit with batch invariance off, faster), so it serves every
-row count. oneDNN's serves CPUs without AVX-512 BF16. In fp32, TiledLinear runs native/fp32_linear.cpp:
+row count. Where it is not built, oneDNN's serves CPUs whose oneDNN takes bf16 (AVX-512 or AVX-NE-CONVERT),
+and `UpcastLinear` every other CPU (AVX2-only x86, Arm64 without oneDNN's bf16): torch's bf16 product
+of one row there reads 6-7 GB/s but of 128 rows 0.1 GB/s, so from 4 rows it widens the weight to fp32 a
+block at a time (docs/cpu-tiers.md has the figures). In fp32, TiledLinear runs native/fp32_linear.cpp:
 MKL's products of one row and of several sum in different orders, so a row's outputs depended on the
 rows computed with it; kvchat's sums each output in one order for any number of rows, reads one row's
 weights 1.2-3.5x faster than MKL here and many rows about as fast.
@@ -21,6 +24,7 @@ there were two or three; the layers keep views of its tiles, so the weights are 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -33,6 +37,8 @@ from kvchat.native import kernels
 # kvchat's kernel for a tiled weight of each dtype, and the layout it reads (linears/weight_layout.py)
 KERNELS = {torch.bfloat16: kernels.bf16_linear, torch.float32: kernels.fp32_linear}
 LAYOUTS = {torch.bfloat16: layout.tile_bf16, torch.float32: layout.tile_fp32}
+UPCAST_ROWS = 4  # from here UpcastLinear's fp32 product beats torch's bf16 one (AVX2, one thread)
+UPCAST_BLOCK_BYTES = 1 << 20  # one block of the widened weight, to stay in a core's L2
 
 
 def is_cpu_bf16(module: nn.Module) -> bool:
@@ -56,12 +62,27 @@ def can_tile(module: nn.Module) -> bool:
 
 
 def can_pack(module: nn.Module) -> bool:
-    """A CPU bf16 linear, where this torch has oneDNN's packed linear kernels."""
-    return (
-        is_cpu_bf16(module)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    """A CPU bf16 linear, where this torch's oneDNN packs bf16 weights on this CPU."""
+    return is_cpu_bf16(module) and onednn_packs_bf16()
+
+
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN's packed bf16 linear runs on this CPU: it asks for AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT and raises elsewhere, so a small weight is packed once to find out."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
+def fallback_kind(onednn_bf16: bool) -> type[nn.Module]:
+    """The layer for a CPU bf16 linear that kvchat's kernel does not run: oneDNN's packed one where it
+    takes bf16 on this CPU (`onednn_packs_bf16`), else UpcastLinear."""
+    return PackedLinear if onednn_bf16 else UpcastLinear
 
 
 class TiledLinear(nn.Module):
@@ -111,6 +132,39 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class UpcastLinear(nn.Linear):
+    """A bf16 nn.Linear for CPUs where neither kvchat's kernel nor oneDNN's runs: up to UPCAST_ROWS - 1
+    rows by torch's bf16 product, which reads the weight as stored; more in fp32, the weight widened
+    UPCAST_BLOCK_BYTES at a time so each block is read from the cache (fp32 sums, rounded to bf16 once,
+    as torch's bf16 product rounds)."""
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> UpcastLinear:
+        """`linear` as an UpcastLinear, holding the same weight and bias (a tied weight stays tied)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight, layer.bias = linear.weight, linear.bias
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (N, in)
+        if rows.shape[0] < UPCAST_ROWS or rows.device.type != "cpu":
+            return super().forward(x)
+        wide = rows.detach().float().t()  # (in, N)
+        out = torch.empty(self.out_features, rows.shape[0])  # (out, N) fp32
+        step = max(TILE_ROWS, UPCAST_BLOCK_BYTES // (4 * self.in_features))
+        for start in range(0, self.out_features, step):
+            block = self.weight.detach()[start : start + step].float()  # (step, in)
+            torch.mm(block, wide, out=out[start : start + step])
+        if self.bias is not None:
+            out += self.bias.detach().float()[:, None]
+        return out.to(x.dtype).t().reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16, widened to fp32"
+
+
 def fuse_tiled(linears: list[nn.Module]) -> TiledLinear | None:
     """One tiled layer for several that read the same input, its outputs theirs side by side, or None
     unless all are tiled, alike in their inputs and bias. Each keeps a view of the fused tiles in place
@@ -136,9 +190,11 @@ def tile_linears_(model: nn.Module) -> int:
     return _replace(model, can_tile, TiledLinear.of)
 
 
-def pack_linears_(model: nn.Module) -> int:
-    """Replace every linear of `model` that `can_pack` in place; returns how many were replaced."""
-    return _replace(model, can_pack, PackedLinear)
+def serve_bf16_linears_(model: nn.Module) -> int:
+    """Replace every CPU bf16 nn.Linear of `model` left (not tiled) by the `fallback_kind` of this CPU,
+    in place; returns how many were replaced."""
+    kind = fallback_kind(onednn_packs_bf16())
+    return _replace(model, is_cpu_bf16, PackedLinear if kind is PackedLinear else UpcastLinear.of)
 
 
 def _replace(model: nn.Module, wanted, replacement) -> int:

@@ -92,7 +92,7 @@ def describe_quantization(model: Any) -> str:
     RescoredHead."""
     import torch
 
-    from kvchat.linears.bf16_linears import PackedLinear, TiledLinear
+    from kvchat.linears.bf16_linears import PackedLinear, TiledLinear, UpcastLinear
     from kvchat.linears.quantized_linears import Int4Linear, Int8Linear
     from kvchat.linears.rescored_head import RescoredHead
 
@@ -102,7 +102,7 @@ def describe_quantization(model: Any) -> str:
         tiled = [m for m in modules if isinstance(m, TiledLinear)]
         if tiled and tiled[0].tiles.dtype != torch.bfloat16:
             return "none (fp32 on kvchat's kernel)"
-        bf16_kinds = {"kvchat": TiledLinear, "oneDNN": PackedLinear}
+        bf16_kinds = {"kvchat": TiledLinear, "oneDNN": PackedLinear, "torch": UpcastLinear}
         found = [name for name, kind in bf16_kinds.items() if any(isinstance(m, kind) for m in modules)]
         if not found:
             return "none"
