@@ -75,7 +75,10 @@ def apply_live_settings(ctx: LiveSettable, settings: Settings) -> None:
     mode = ReuseMode(settings.reuse.mode)
     reason = getattr(ctx, "move_refusal", None)
     if mode is not ReuseMode.EXACT and reason is not None:
-        raise ConfigError(f"reuse.mode {mode} is not available for this model: {reason}; exact is")
+        raise ConfigError(
+            f"reuse.mode {mode} is not available for this model: {reason}. Exact reuse is: /mode exact "
+            "(or --reuse exact)"
+        )
     ctx.mode = mode
     ctx.repair = repair_policy(settings.reuse)
     ctx.speculation = make_speculation(settings.decode, ctx.speculation.draft_engine)

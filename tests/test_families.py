@@ -208,8 +208,9 @@ def test_dynamic_ntk_refuses_moving_keys_by_name() -> None:
     tokenizer = family_tokenizer("smollm2")
     cm = manager(model, tokenizer, ChatFormat(tokenizer))
     assert cm.move_refusal is not None and "dynamic NTK" in cm.move_refusal
-    with pytest.raises(ConfigError, match="dynamic NTK"):
+    with pytest.raises(ConfigError, match="dynamic NTK") as refused:
         apply_live_settings(cm, replace_setting(Settings(), "reuse.mode", "reposition"))
+    assert str(refused.value).endswith("Exact reuse is: /mode exact (or --reuse exact)")
     assert cm.mode is ReuseMode.EXACT
     assert runnable_modes(cm, list(ReuseMode)) == [ReuseMode.EXACT]  # /compare answers in exact alone
     assert "exact only" in cm.model_info().reuse

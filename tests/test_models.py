@@ -89,6 +89,22 @@ def test_resolve_bad_paths(tmp_path: Path) -> None:
         resolve_model(str(tmp_path / "missing.gguf"))
 
 
+def test_a_folder_without_a_tokenizer_says_so_in_a_whole_sentence(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ModelLoadError) as refused:
+        loader_module.prepare_model(ModelSettings(model=str(tmp_path), device="cpu"))
+    assert "holds no tokenizer" in str(refused.value) and str(refused.value).endswith("config.json")
+
+
+def test_a_message_whose_first_line_ends_in_a_colon_is_given_whole() -> None:
+    from kvchat.models.hub_files import first_line
+
+    listed = ValueError("could not use one of:\n(1) this,\n(2) that.\nInstall something.")
+    assert first_line(listed) == "could not use one of: (1) this, (2) that. Install something."
+    assert first_line(ValueError("one line\nand the traceback's rest")) == "one line"
+    assert first_line(ValueError("")) == "ValueError"
+
+
 def test_uncached_hub_model_offline_says_what_to_do(
     monkeypatch: pytest.MonkeyPatch, no_network: None
 ) -> None:

@@ -5,17 +5,28 @@ where a model is neither cached nor reachable."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import huggingface_hub
+from transformers import AutoTokenizer
 
 from kvchat.errors import KvchatError, ModelLoadError
 from kvchat.models.sources import ModelSource
 
 _TRUE_WORDS = ("1", "true", "yes", "on")
+MAX_MESSAGE = 400  # characters of a joined message
+# the files a tokenizer loads from, one of which a local model folder must hold
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model")
 
 
 def load_part(loader, location: str, source: ModelSource, local_only: bool, **options: object):
     """The tokenizer or the weights (`loader`'s from_pretrained) from `location`."""
+    folder = Path(location)
+    if loader is AutoTokenizer and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"could not load {location}: it holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])} or the "
+            "like); copy the tokenizer files of the model's release beside its config.json"
+        )
     try:
         return loader.from_pretrained(location, local_files_only=local_only, **options)
     except KvchatError:
@@ -60,6 +71,12 @@ def not_cached_message(hub_id: str, reason: str) -> str:
 
 
 def first_line(exc: BaseException) -> str:
-    """An exception's message in one line (its type's name where it has none)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    """An exception's message in one line (its type's name where it has none): its first line, or all
+    of it joined where the first line ends in a colon (what follows is the message's own list)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if not lines[0].endswith(":"):
+        return lines[0]
+    joined = " ".join(lines)
+    return joined if len(joined) <= MAX_MESSAGE else joined[: MAX_MESSAGE - 3].rstrip() + "..."
