@@ -141,7 +141,7 @@ def test_model_info_reads_the_model_and_the_pool():
     assert info.kv_tokens == cm.engine.blocks.num_blocks * 4 and info.kv_bytes <= 1 << 20
     tiled = kernels.fp32_linear() is not None
     assert info.batch_variance == cm.engine.batch_invariance
-    assert info.batch_variance is None or not kernels.built()
+    assert (info.batch_variance is None) == tiled  # one order of sums for any rows: kvchat's linears
     assert info.chat_template.startswith("ChatML")
     assert info.quantization == ("none (fp32 on kvchat's kernel)" if tiled else "none")
     assert info.threads == torch.get_num_threads()
@@ -193,8 +193,9 @@ def test_notes_go_to_a_terminal_only(monkeypatch):
 
 @pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
 def test_model_info_counts_packed_and_quantized_weights_as_before(quantize):
-    """Packed bf16 linears and quantized ones keep no weight parameter; /info still counts each weight
-    once, the tied output layer included once."""
+    """Packed bf16 linears and quantized ones keep no weight parameter (UpcastLinear, where oneDNN takes
+    no bf16, keeps its own); /info still counts each weight once, the tied output layer included once."""
+    from kvchat.linears.bf16_linears import UpcastLinear
     from kvchat.models.info import num_weights
     from kvchat.models.quantize import quantize_model
 
@@ -202,5 +203,6 @@ def test_model_info_counts_packed_and_quantized_weights_as_before(quantize):
     expected = sum(p.numel() for p in model.parameters())
     quantize_model(model, quantize)
     Engine(model, kv_memory_bytes=1 << 20, block_size=4, prefill_chunk=512)  # packs what it can
-    assert sum(p.numel() for p in model.parameters()) < expected  # the count below has work to do
+    if quantize != "none" or not any(isinstance(m, UpcastLinear) for m in model.modules()):
+        assert sum(p.numel() for p in model.parameters()) < expected  # the count below has work to do
     assert num_weights(model) == expected
