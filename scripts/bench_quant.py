@@ -1,6 +1,7 @@
 """What weight-only quantization costs and gains: KL and top-1 against the unquantized model, decode speed.
 
     python scripts/bench_quant.py quality                       # packaged SmolLM2, ~400 tokens of prose
+    python scripts/bench_quant.py quality --model FOLDER        # your own model folder
     python scripts/bench_quant.py speed --tokens 32 --repeats 5  # packaged SmolLM2
     python scripts/bench_quant.py speed --shape qwen2.5-3b --tokens 4 --repeats 3
     python scripts/bench_quant.py kernels                       # Qwen2.5-3B's linear shapes, one token
@@ -75,7 +76,8 @@ def file_layers(model: nn.Module) -> GGUFInt4Layers:
 
 
 def quality(args: argparse.Namespace) -> None:
-    folder = ensure_converted()
+    packaged = args.model is None
+    folder = ensure_converted() if packaged else args.model
     tokenizer = AutoTokenizer.from_pretrained(folder)
     with quiet_transformers():
         fp32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -84,10 +86,15 @@ def quality(args: argparse.Namespace) -> None:
         "none, bf16": bf16,
         "int8": variant(bf16, "int8"),
         "int8, head bf16": variant(bf16, "int8", head="none"),
-        "int4 (file)": variant(bf16, "int4", from_file=file_layers(bf16)),
-        "int4 (file), head int8": variant(bf16, "int4", head="int8", from_file=file_layers(bf16)),
-        "int4 (file), head bf16": variant(bf16, "int4", head="none", from_file=file_layers(bf16)),
-        "int4 (file), head int4": variant(bf16, "int4", head="int4", from_file=file_layers(bf16)),
+    }
+    if packaged:  # the GGUF file's own 4-bit values
+        variants |= {
+            "int4 (file)": variant(bf16, "int4", from_file=file_layers(bf16)),
+            "int4 (file), head int8": variant(bf16, "int4", head="int8", from_file=file_layers(bf16)),
+            "int4 (file), head bf16": variant(bf16, "int4", head="none", from_file=file_layers(bf16)),
+            "int4 (file), head int4": variant(bf16, "int4", head="int4", from_file=file_layers(bf16)),
+        }
+    variants |= {
         "int4 (requant)": variant(bf16, "int4"),
         "int4 (requant), head int8": variant(bf16, "int4", head="int8"),
         "int4-g128": variant(bf16, "int4-g128"),
@@ -98,7 +105,8 @@ def quality(args: argparse.Namespace) -> None:
     targets = ids[0, 1:]  # (T-1,)
     with torch.inference_mode():
         log_p = fp32(input_ids=ids).logits[0, :-1].float().log_softmax(-1)  # (T-1, V)
-        print(f"reference: packaged SmolLM2 (its Q4_1 values dequantized), fp32; {targets.numel()} positions")
+        reference = "packaged SmolLM2 (its Q4_1 values dequantized)" if packaged else folder
+        print(f"reference: {reference}, fp32; {targets.numel()} positions")
         print("| variant | KL per token | same top-1 | perplexity |")
         print("|---|---:|---:|---:|")
         print(f"| none, fp32 | 0 | 100% | {perplexity(log_p, targets):.3f} |")
@@ -108,7 +116,8 @@ def quality(args: argparse.Namespace) -> None:
             top1 = float((log_p.argmax(-1) == log_q.argmax(-1)).float().mean())
             print(f"| {name} | {kl:.4f} | {top1:.1%} | {perplexity(log_q, targets):.3f} |")
 
-    fresh_groups(fp32, ids[0], log_p)
+    if packaged:  # its weights lie on the file's 4-bit grid, which the groups below straddle or not
+        fresh_groups(fp32, ids[0], log_p)
 
 
 def decode_log_probs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -290,6 +299,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, help="quality: text tokens (400); speed: decoded tokens (32)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shape", choices=("smollm2", "qwen2.5-3b"), default="smollm2")
+    parser.add_argument("--model", help="quality: a local model folder (default: the packaged SmolLM2)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -4,6 +4,7 @@ declarations in kvchat/settings_schema.py. Run after changing a setting: python 
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from kvchat.settings_toml import render_default_toml
@@ -13,6 +14,8 @@ TARGETS = (ROOT / "configs" / "default.toml", ROOT / "kvchat" / "configs" / "def
 
 
 def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    argparse.ArgumentParser(description=__doc__, formatter_class=formatter).parse_args()
     text = render_default_toml()
     for path in TARGETS:
         path.write_text(text, encoding="utf-8")

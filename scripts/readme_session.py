@@ -10,6 +10,7 @@ that the README's block has this script's commands and form.
 
 from __future__ import annotations
 
+import argparse
 import io
 from pathlib import Path
 
@@ -79,6 +80,8 @@ def readme_block(text: str) -> str:
 
 
 def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    argparse.ArgumentParser(description=__doc__, formatter_class=formatter).parse_args()
     text = README.read_text(encoding="utf-8")
     block = render(run_session())
     start, end = text.index(MARKS[0]) + len(MARKS[0]), text.index(MARKS[1])

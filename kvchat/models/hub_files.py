@@ -22,7 +22,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 def load_part(loader, location: str, source: ModelSource, local_only: bool, **options: object):
     """The tokenizer or the weights (`loader`'s from_pretrained) from `location`."""
     folder = Path(location)
-    if loader is AutoTokenizer and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+    no_tokenizer = folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES)
+    if loader is AutoTokenizer and no_tokenizer:
         raise ModelLoadError(
             f"could not load {location}: it holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])} or the "
             "like); copy the tokenizer files of the model's release beside its config.json"
